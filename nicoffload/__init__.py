@@ -1,0 +1,29 @@
+"""nicoffload: declare, plan and run the preprocessing of AI serving pipelines across DPU, CPU and GPU."""
+
+from nicoffload.errors import (
+    ItemError,
+    NicoffloadError,
+    PlanError,
+    SpecError,
+    SystemFailure,
+    TransportError,
+    UserError,
+)
+from nicoffload.graph import Node, Pipeline, TensorSpec, load_pipeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ItemError",
+    "NicoffloadError",
+    "Node",
+    "Pipeline",
+    "PlanError",
+    "SpecError",
+    "SystemFailure",
+    "TensorSpec",
+    "TransportError",
+    "UserError",
+    "__version__",
+    "load_pipeline",
+]

@@ -1,0 +1,1 @@
+"""Fused kernels: chains of ops computed in one pass (registered per device)."""
