@@ -214,8 +214,13 @@ KernelFn = Callable[..., Any]
 class Kernel:
     """One implementation of a chain of ops (usually one) on one device.
 
-    `build(nodes, consumers)` runs at plan time and returns `fn(*inputs, out=None)`, which writes
-    into `out` when the runtime preallocated it (static output shape) and returns the output(s).
+    `build(nodes, consumers)` runs once at plan time (choices, tables, JIT warm-up) and returns
+    `fn(*inputs, out=None)` for one item. `nodes` is the chain this kernel covers; `consumers`
+    are the nodes that read the chain's output (a decoder looks at them to decode smaller).
+    `fn` returns one array, or a tuple in the op's output order for several outputs. When the
+    runtime passes `out` (same structure; static shapes only), `fn` writes into it and returns
+    it. A returned array the kernel allocated itself may be a per-thread scratch buffer, valid
+    until the same `fn` is next called on the same thread. Per-item failures raise ItemError.
     """
 
     ops: tuple[str, ...]

@@ -11,11 +11,11 @@ from nicoffload.ops import Param, WiringError, op
 
 def crop_box(h: int, w: int, ch: int, cw: int) -> tuple[int, int]:
     """Top and left of the window in source coordinates (negative when padding is needed)."""
-    return int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0))
+    return round((h - ch) / 2.0), round((w - cw) / 2.0)
 
 
 def _work(params, in_specs, out_specs) -> float:
-    h, w, c = out_specs["out"].typical_shape
+    h, w, _c = out_specs["out"].typical_shape
     return float(h * w)
 
 
