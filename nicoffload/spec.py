@@ -56,7 +56,7 @@ class PipelineSpec:
     placement: dict[str, tuple[tuple[str, ...], Mark]] = field(default_factory=dict)
     slo_latency_ms: float | None = None
     slo_throughput_per_s: float | None = None
-    mark: Mark = Mark("<memory>", 1, 1)
+    mark: Mark = field(default_factory=lambda: Mark("<memory>", 1, 1))
 
     @property
     def directory(self) -> Path:

@@ -1,0 +1,1 @@
+"""Placement: which device runs each node, from the topology and measured profiles."""
