@@ -10,6 +10,8 @@ from nicoffload.errors import (
     UserError,
 )
 from nicoffload.graph import Node, Pipeline, TensorSpec, load_pipeline
+from nicoffload.planner.plan import Plan
+from nicoffload.runner import RunResult, RunStats, run
 
 __version__ = "0.1.0"
 
@@ -18,7 +20,10 @@ __all__ = [
     "NicoffloadError",
     "Node",
     "Pipeline",
+    "Plan",
     "PlanError",
+    "RunResult",
+    "RunStats",
     "SpecError",
     "SystemFailure",
     "TensorSpec",
@@ -26,4 +31,5 @@ __all__ = [
     "UserError",
     "__version__",
     "load_pipeline",
+    "run",
 ]

@@ -1,0 +1,76 @@
+"""`nicoffload`: the command line. One module per command group; this one holds the app.
+
+Exit codes: 0 ok; 2 the user's input is wrong (`file:line:col: message`, no traceback); 1 the
+system failed (the message names the component). With `--json`, stdout carries one JSON document
+and nothing else; progress and messages go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from nicoffload.errors import NicoffloadError
+
+app = typer.Typer(
+    name="nicoffload",
+    help=(
+        "Declare, plan and run the preprocessing of AI serving pipelines across DPU, host CPU and GPU.\n\n"
+        "Typical use: `nicoffload validate pipelines/resnet50.yaml`, then "
+        "`nicoffload plan pipelines/resnet50.yaml`, then "
+        "`nicoffload run pipelines/resnet50.yaml --sample 200`."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int) -> None:
+    typer.echo(f"nicoffload: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Map nicoffload errors to exit codes and one-line messages; never a traceback for those."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except NicoffloadError as exc:
+            prefix = "error" if exc.exit_code == 2 else "failure"
+            fail(f"{prefix}: {exc}", exc.exit_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except BrokenPipeError:
+            raise typer.Exit(0) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    # Command modules register on `app` when imported.
+    from nicoffload.cli import pipeline as _pipeline  # noqa: F401
+    from nicoffload.cli import run as _run  # noqa: F401
+
+    for optional in ("plan", "profile"):
+        try:
+            __import__(f"nicoffload.cli.{optional}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"nicoffload.cli.{optional}":
+                raise
+    app()

@@ -1,0 +1,45 @@
+"""Preallocated batch slots: every static output of a batch is written in place, never stacked.
+
+A ring of `BatchSlot`s bounds the batches in flight; taking a slot blocks when all are in use,
+which is the runtime's backpressure.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nicoffload.graph import TensorSpec
+
+
+@dataclass
+class BatchSlot:
+    """Output arrays of one batch, shaped (max_size, *item_shape), plus per-row bookkeeping."""
+
+    index: int
+    arrays: dict[str, np.ndarray]
+    ragged: dict[str, list[object]] = field(default_factory=dict)
+
+    def row(self, r: int) -> dict[str, np.ndarray]:
+        return {k: a[r] for k, a in self.arrays.items()}
+
+
+class SlotRing:
+    """`count` slots allocated once; `take()` blocks until one is free, `give()` returns it."""
+
+    def __init__(self, specs: dict[str, TensorSpec], batch: int, count: int) -> None:
+        self._free: queue.Queue[BatchSlot] = queue.Queue()
+        for i in range(count):
+            arrays = {
+                k: np.zeros((batch, *s.shape), dtype=s.dtype) for k, s in specs.items() if s.static
+            }
+            ragged = {k: [None] * batch for k, s in specs.items() if not s.static}
+            self._free.put(BatchSlot(i, arrays, ragged))
+
+    def take(self, timeout: float | None = None) -> BatchSlot:
+        return self._free.get(timeout=timeout)
+
+    def give(self, slot: BatchSlot) -> None:
+        self._free.put(slot)
