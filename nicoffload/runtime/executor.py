@@ -282,7 +282,7 @@ class Executor:
             ok[f.index - b.start] = False
         outputs: dict[str, Any] = {k: a[:n] for k, a in b.slot.arrays.items()}
         outputs.update({k: list(v[:n]) for k, v in b.slot.ragged.items()})
-        for k, a in b.slot.arrays.items():
+        for _k, a in b.slot.arrays.items():
             a[:n][~ok] = 0  # a failed row never carries a stale result from an earlier batch
         lat = b.done_at - np.array(b.admitted)
         return Batch(

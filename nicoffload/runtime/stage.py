@@ -6,6 +6,7 @@ kernel's build). Per item, `process` only calls the bound functions in order.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ def _key(node: Node, port: str) -> str:
 
 def _fusable(pipeline: Pipeline, chain: list[Node], keep: set[str]) -> bool:
     """Inner nodes of a fused chain must feed only the next node and leave nothing behind."""
-    for a, b in zip(chain, chain[1:], strict=False):
+    for a, b in itertools.pairwise(chain):
         if len(a.out_specs) != 1 or _key(a, "out") in keep:
             return False
         consumers = pipeline.consumers(a.name)
