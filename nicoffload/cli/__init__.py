@@ -62,15 +62,18 @@ def emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
-    # Command modules register on `app` when imported.
-    from nicoffload.cli import pipeline as _pipeline  # noqa: F401
-    from nicoffload.cli import run as _run  # noqa: F401
+def build_app() -> typer.Typer:
+    """The app with every command registered (command modules register on `app` when imported)."""
+    import importlib
 
-    for optional in ("plan", "profile"):
+    for name in ("pipeline", "run", "plan", "profile"):
         try:
-            __import__(f"nicoffload.cli.{optional}")
+            importlib.import_module(f"nicoffload.cli.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"nicoffload.cli.{optional}":
+            if exc.name != f"nicoffload.cli.{name}":  # a command still being written is absent
                 raise
-    app()
+    return app
+
+
+def main() -> None:
+    build_app()()

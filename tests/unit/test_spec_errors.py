@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nicoffload.cli import app
-from nicoffload.cli import pipeline as _commands  # noqa: F401  (registers validate)
+from nicoffload.cli import build_app
 from nicoffload.errors import SpecError
 from nicoffload.graph import load_pipeline
 
@@ -45,7 +44,7 @@ def test_bad_pipeline_is_reported_at_its_line_and_column(path: Path):
 @pytest.mark.parametrize("path", BAD[:3], ids=[p.stem for p in BAD[:3]])
 def test_validate_exits_2_with_the_location_and_no_traceback(path: Path):
     line, col, fragment = expectation(path)
-    result = CliRunner().invoke(app, ["validate", str(path)])
+    result = CliRunner().invoke(build_app(), ["validate", str(path)])
     assert result.exit_code == 2
     assert f"{path}:{line}:{col}: {fragment}" in result.output
     assert "Traceback" not in result.output
@@ -64,6 +63,6 @@ def test_the_installed_command_reports_a_bad_file_on_stderr_with_exit_2():
 
 
 def test_a_missing_file_is_a_user_error():
-    result = CliRunner().invoke(app, ["validate", "nowhere.yaml"])
+    result = CliRunner().invoke(build_app(), ["validate", "nowhere.yaml"])
     assert result.exit_code == 2
     assert "nowhere.yaml:1:1: cannot read the file" in result.output
