@@ -1,0 +1,137 @@
+"""In-process transport (`inproc://name`): the test double. Same slots, credits, backpressure,
+frames and errors as the real transports; the ring is a numpy array and nothing leaves the process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from nicoffload.errors import TransportError
+from nicoffload.transport.base import (
+    Delivery,
+    Inbox,
+    Receiver,
+    Sender,
+    Tensors,
+    lay_out,
+    open_delivery,
+    slot_view,
+    stride,
+)
+from nicoffload.transport.frame import HEADER_SIZE, Flag, Header
+
+# The in-process namespace of listening receivers, as the kernel has one for sockets.
+_LISTENING: dict[str, InprocReceiver] = {}
+_NAMESPACE = threading.Lock()
+
+
+class InprocReceiver(Receiver):
+    def __init__(self, address: str, slots: int, slot_bytes: int) -> None:
+        self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
+        self.ring = np.empty(slots * stride(slot_bytes), np.uint8)
+        self.inbox = Inbox(f"receiver at {address}")
+        self.cond = threading.Condition()
+        self.free = list(range(slots))[::-1]  # the sender's credits, as a stack
+        self.closed = False
+
+    def recv(self, timeout: float | None = None) -> Delivery | None:
+        if self.closed:
+            raise TransportError(f"receiver at {self.address} is closed")
+        return self.inbox.get(timeout)
+
+    def release(self, delivery: Delivery) -> None:
+        if not self.inbox.take_back(delivery):
+            return
+        with self.cond:
+            self.free.append(delivery.slot)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with _NAMESPACE:
+            if _LISTENING.get(self.address) is self:
+                del _LISTENING[self.address]
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+        self.inbox.close(TransportError(f"receiver at {self.address} is closed"))
+
+
+class InprocSender(Sender):
+    def __init__(self, receiver: InprocReceiver, pipeline_id: int, stage_id: int) -> None:
+        self.address, self.slots, self.slot_bytes = (
+            receiver.address,
+            receiver.slots,
+            receiver.slot_bytes,
+        )
+        self._rx, self._ids = receiver, (pipeline_id, stage_id)
+        self._closed = False
+
+    def send(
+        self,
+        tensors: Tensors,
+        *,
+        request_id: int = 0,
+        batch_size: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        layout = lay_out(tensors, self.slot_bytes, batch_size=batch_size, meta=meta)
+        rx = self._rx
+        with rx.cond:
+            self._check()
+            if not rx.cond.wait_for(lambda: rx.free or rx.closed, timeout):
+                raise TransportError(f"receiver at {self.address}: no free slot within {timeout} s")
+            self._check()
+            slot = rx.free.pop()
+        layout.copy_into(slot_view(rx.ring, slot, self.slot_bytes))
+        # Through the wire format, so the double checks what the real transports check.
+        head = layout.head(slot, request_id, Flag.OUT_OF_BAND, *self._ids)
+        header = Header.unpack(head, max_payload=self.slot_bytes)
+        delivery = open_delivery(rx.ring, self.slot_bytes, header, head[HEADER_SIZE:])
+        rx.inbox.claim(header)
+        rx.inbox.put(delivery)
+        return slot
+
+    def flush(self, timeout: float | None = None) -> None:
+        rx = self._rx
+        with rx.cond:
+            self._check()
+            if not rx.cond.wait_for(lambda: len(rx.free) == self.slots or rx.closed, timeout):
+                held = self.slots - len(rx.free)
+                raise TransportError(f"receiver at {self.address}: {held} batches still held")
+            self._check()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TransportError(f"sender to {self.address} is closed")
+        if self._rx.closed:
+            raise TransportError(f"receiver at {self.address} closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._rx.inbox.end()
+
+
+def connect(
+    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+) -> InprocSender:
+    with _NAMESPACE:
+        receiver = _LISTENING.pop(address, None)  # one sender per receiver, as with sockets
+    if receiver is None:
+        raise TransportError(f"cannot connect to {address}: nothing listens there")
+    return InprocSender(receiver, pipeline_id, stage_id)
+
+
+def listen(address: str, *, slots: int, slot_bytes: int) -> InprocReceiver:
+    with _NAMESPACE:
+        if address in _LISTENING:
+            raise TransportError(f"cannot listen on {address}: address in use")
+        receiver = _LISTENING[address] = InprocReceiver(address, slots, slot_bytes)
+    return receiver
