@@ -58,6 +58,12 @@ class Plan:
     predicted: Predicted | None = None
     topology: str = "local"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Filled by the planner (absent from hand-made and single-device plans):
+    ingress: str | None = None  # where request bytes arrive
+    egress: str | None = None  # where the outputs are delivered (the model's GPU)
+    io_transfers: tuple[TransferPlan, ...] = ()  # input -> first stage, last stage -> egress
+    loads: dict[str, float] = field(default_factory=dict)  # resource -> ms of it per item
+    explain: dict[str, Any] = field(default_factory=dict)  # why: bottleneck, runner-up, ...
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -68,7 +74,9 @@ class Plan:
     def from_json(cls, doc: dict[str, Any], source: str = "<plan>") -> Plan:
         try:
             if doc.get("version") != PLAN_VERSION:
-                raise PlanError(f"plan version {doc.get('version')!r} is not {PLAN_VERSION}", Mark(source, 1, 1))
+                raise PlanError(
+                    f"plan version {doc.get('version')!r} is not {PLAN_VERSION}", Mark(source, 1, 1)
+                )
             pred = doc.get("predicted")
             return cls(
                 pipeline=doc["pipeline"],
@@ -79,6 +87,11 @@ class Plan:
                 predicted=Predicted(**pred) if pred else None,
                 topology=doc.get("topology", "local"),
                 notes=tuple(doc.get("notes", ())),
+                ingress=doc.get("ingress"),
+                egress=doc.get("egress"),
+                io_transfers=tuple(TransferPlan(**t) for t in doc.get("io_transfers", ())),
+                loads=dict(doc.get("loads", {})),
+                explain=dict(doc.get("explain", {})),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"not a nicoffload plan: {exc!r}", Mark(source, 1, 1)) from None
@@ -113,7 +126,9 @@ def device_kind(device: str) -> str:
     return device.rstrip("0123456789").split(":", 1)[0].split("-", 1)[0]
 
 
-def stages_for(pipeline: Pipeline, placement: dict[str, str]) -> tuple[tuple[StagePlan, ...], tuple[TransferPlan, ...]]:
+def stages_for(
+    pipeline: Pipeline, placement: dict[str, str]
+) -> tuple[tuple[StagePlan, ...], tuple[TransferPlan, ...]]:
     """Cut the topological order into runs of nodes on the same device; list the crossing edges."""
     runs: list[tuple[str, list[str]]] = []
     for node in pipeline.nodes:
@@ -123,7 +138,8 @@ def stages_for(pipeline: Pipeline, placement: dict[str, str]) -> tuple[tuple[Sta
         else:
             runs.append((dev, [node.name]))
     stages = tuple(
-        StagePlan(f"s{i}-{dev}", dev, device_kind(dev), tuple(names)) for i, (dev, names) in enumerate(runs)
+        StagePlan(f"s{i}-{dev}", dev, device_kind(dev), tuple(names))
+        for i, (dev, names) in enumerate(runs)
     )
     where = {n: s.name for s in stages for n in s.nodes}
     transfers = []
@@ -134,7 +150,9 @@ def stages_for(pipeline: Pipeline, placement: dict[str, str]) -> tuple[tuple[Sta
             spec = pipeline.spec_of(ref)
             key = (where[ref.source], where[node.name], str(ref))
             if key not in {(t.src_stage, t.dst_stage, t.tensor) for t in transfers}:
-                transfers.append(TransferPlan(*key, transport="inproc", bytes_per_item=spec.typical_nbytes))
+                transfers.append(
+                    TransferPlan(*key, transport="inproc", bytes_per_item=spec.typical_nbytes)
+                )
     return stages, tuple(transfers)
 
 
@@ -142,4 +160,6 @@ def single_device_plan(pipeline: Pipeline, device: str = "cpu") -> Plan:
     """Every node on one device: the host-only plan, and the reference for split runs."""
     placement = {n.name: device for n in pipeline.nodes}
     stages, transfers = stages_for(pipeline, placement)
-    return Plan(pipeline.name, placement, stages, transfers, objective="single-device", topology=device)
+    return Plan(
+        pipeline.name, placement, stages, transfers, objective="single-device", topology=device
+    )

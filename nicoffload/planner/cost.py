@@ -1,0 +1,298 @@
+"""The cost model: a pipeline on a topology with profiles, reduced to arrays every solver shares.
+
+Node v on device d costs `a + b * work(v)` core-ms per item (work from the TensorSpecs the
+runtime will really see: a decoder followed by a resize decodes smaller, in the DCT domain). A
+fusable chain the runtime runs as one kernel costs that kernel's time instead. A tensor crossing
+devices loads each hop of its route: `bytes / bandwidth` on the link, and the transport's CPU time
+per byte on each CPU endpoint. Pure functions of their inputs: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
+from nicoffload.planner.plan import device_kind
+from nicoffload.profiles import Profile
+from nicoffload.topology import Topology
+
+BUFFER_SLOTS = 2  # each node's batch buffers are double-buffered by the runtime
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Which kernels exist: op -> device kinds, and per kind the fused chains (longest first)."""
+
+    single: Mapping[str, frozenset[str]]
+    fused: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+
+    @classmethod
+    def from_registry(cls) -> Catalog:
+        from nicoffload import ops
+
+        single = {name: frozenset(ops.kernels_for(name)) for name in ops.op_names()}
+        fused = {kind: tuple(k.ops for k in ops.fused_kernels(kind)) for kind in ops.DEVICES}
+        return cls(single, fused)
+
+    def kinds(self, op: str) -> frozenset[str]:
+        return self.single.get(op, frozenset())
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor that may cross devices: a pipeline input (src -1, at the ingress) or a node output."""
+
+    label: str
+    src: int
+    consumers: tuple[int, ...]
+    output: bool  # delivered to the egress device
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive nodes the runtime fuses into one kernel when they share a device."""
+
+    nodes: tuple[int, ...]
+    key: str
+    delta: np.ndarray  # (D,) fused cost minus the nodes' own costs; nan where it does not apply
+
+
+@dataclass(frozen=True)
+class CostModel:
+    nodes: tuple[str, ...]  # topological order
+    devices: tuple[str, ...]
+    resources: tuple[str, ...]  # the devices, then directed hops "a->b"
+    divisor: np.ndarray  # (R,) a device's parallel capacity; 1 for a link
+    cost: np.ndarray  # (n, D) core-ms per item; inf where the node cannot go
+    why_not: Mapping[tuple[int, int], str]  # (node, device) -> why it cannot go there
+    work: np.ndarray  # (n,) the cost feature actually used
+    groups: tuple[Group, ...]
+    refs: tuple[TensorRef, ...]
+    route_load: np.ndarray  # (D, D, R) load per byte sent s -> d: link ms, endpoint core-ms
+    route_ms: np.ndarray  # (D, D) latency of the route
+    route_ms_per_byte: np.ndarray  # (D, D)
+    mem: np.ndarray  # (n,) bytes of buffers a node needs on its device
+    mem_cap: np.ndarray  # (D,) inf where not limited
+    host: np.ndarray  # (D,) True for host CPU devices
+    ingress: int
+    egress: int
+
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def allowed(self) -> np.ndarray:
+        return np.isfinite(self.cost)
+
+    def ref_time(self, r: TensorRef, s: int, d: int) -> float:
+        return (
+            0.0 if s == d else float(self.route_ms[s, d] + r.nbytes * self.route_ms_per_byte[s, d])
+        )
+
+
+# -- effective shapes ---------------------------------------------------------------------------
+
+
+def _with_typical(spec: TensorSpec, hw: tuple[int, int]) -> TensorSpec:
+    dims = tuple(
+        Dim(d.name, v) if isinstance(d, Dim) else v for d, v in zip(spec.shape[:2], hw, strict=True)
+    )
+    return replace(spec, shape=dims + tuple(spec.shape[2:]))
+
+
+def dct_decoded_hw(node: Node, consumers: Iterable[Node]) -> tuple[int, int] | None:
+    """The size a JPEG decoder really produces when every consumer is a resize: libjpeg-turbo
+    scales by M/8 in the DCT domain, to the smallest size that still covers each resize's target.
+    """
+    from nicoffload.ops.resize import output_size
+
+    consumers = list(consumers)
+    if node.op != "decode_image" or not node.params.get("dct_scaling", True) or not consumers:
+        return None
+    if any(c.op != "resize" for c in consumers):
+        return None
+    h, w = node.out.typical_shape[:2]
+    need = [output_size(c.params, h, w) for c in consumers]
+    need_h, need_w = max(n[0] for n in need), max(n[1] for n in need)
+    for m in range(1, 8):
+        sh, sw = math.ceil(h * m / 8), math.ceil(w * m / 8)
+        if sh >= need_h and sw >= need_w:
+            return sh, sw
+    return None
+
+
+def effective_specs(
+    pipeline: Pipeline,
+) -> dict[str, tuple[tuple[TensorSpec, ...], dict[str, TensorSpec]]]:
+    """Per node, (in_specs, out_specs) with the typical sizes the runtime will see."""
+    out: dict[str, tuple[tuple[TensorSpec, ...], dict[str, TensorSpec]]] = {}
+    for node in pipeline.nodes:
+        ins = tuple(
+            spec if r.is_input else out[r.source][1][r.port]
+            for r, spec in zip(node.inputs, node.in_specs, strict=True)
+        )
+        outs = dict(node.out_specs)
+        hw = dct_decoded_hw(node, pipeline.consumers(node.name))
+        if hw is not None:
+            outs = {k: _with_typical(v, hw) for k, v in outs.items()}
+        out[node.name] = (ins, outs)
+    return out
+
+
+def effective_work(pipeline: Pipeline) -> dict[str, float]:
+    specs = effective_specs(pipeline)
+    return {n.name: float(n.opdef().work(n.params, *specs[n.name])) for n in pipeline.nodes}
+
+
+# -- fusion ------------------------------------------------------------------------------------
+
+
+def _fusable(pipeline: Pipeline, chain: list[Node]) -> bool:
+    """Mirrors runtime.stage: inner nodes feed only the next node and are not outputs."""
+    outputs = {r.source for r in pipeline.outputs.values()}
+    for a, b in itertools.pairwise(chain):
+        consumers = pipeline.consumers(a.name)
+        if len(a.out_specs) != 1 or a.name in outputs or len(b.inputs) != 1:
+            return False
+        if len(consumers) != 1 or consumers[0].name != b.name:
+            return False
+    return True
+
+
+def fusion_windows(pipeline: Pipeline, chains: Iterable[tuple[str, ...]]) -> list[tuple[int, ...]]:
+    """Greedy longest-first cover of the topological order, as the runtime binds one stage."""
+    chains = sorted(chains, key=len, reverse=True)
+    nodes, found, i = list(pipeline.nodes), [], 0
+    while i < len(nodes):
+        for chain in chains:
+            window = nodes[i : i + len(chain)]
+            if tuple(n.op for n in window) == chain and _fusable(pipeline, window):
+                found.append(tuple(range(i, i + len(chain))))
+                i += len(chain)
+                break
+        else:
+            i += 1
+    return found
+
+
+# -- building ----------------------------------------------------------------------------------
+
+
+def _route_arrays(topology: Topology, resources: list[str]):
+    ids = topology.ids
+    D, R = len(ids), len(resources)
+    load = np.zeros((D, D, R))
+    ms = np.zeros((D, D))
+    per_byte = np.zeros((D, D))
+    for s, a in enumerate(ids):
+        for t, b in enumerate(ids):
+            for hop in topology.route(a, b):
+                link = hop.link
+                ms[s, t] += link.latency_ms
+                per_byte[s, t] += 1e3 / link.bandwidth
+                load[s, t, resources.index(hop.name)] += 1e3 / link.bandwidth
+                for end in (hop.src, hop.dst):
+                    if device_kind(end) != "gpu":
+                        load[s, t, ids.index(end)] += link.cpu_ns_per_byte * 1e-6
+    return load, ms, per_byte
+
+
+def build_model(
+    pipeline: Pipeline,
+    topology: Topology,
+    profiles: Mapping[str, Profile],
+    catalog: Catalog,
+) -> CostModel:
+    """Reduce the planning problem to arrays. `profiles` maps device id -> its Profile."""
+    ids = topology.ids
+    D = len(ids)
+    hops = sorted(
+        {h.name for a in ids for b in ids for h in topology.route(a, b)},
+        key=lambda name: (ids.index(name.split("->")[0]), ids.index(name.split("->")[1])),
+    )
+    resources = [*ids, *hops]
+    divisor = np.array([topology.device(i).capacity for i in ids] + [1.0] * len(hops))
+    work_by_name = effective_work(pipeline)
+    names = [n.name for n in pipeline.nodes]
+    work = np.array([work_by_name[n] for n in names])
+    cost = np.full((len(names), D), np.inf)
+    why: dict[tuple[int, int], str] = {}
+    for v, node in enumerate(pipeline.nodes):
+        kinds = catalog.kinds(node.op)
+        for d, dev in enumerate(topology.devices):
+            entry = profiles[dev.id].kernel(node.op) if dev.id in profiles else None
+            if dev.kind not in kinds:
+                have = ", ".join(sorted(kinds)) or "none"
+                why[v, d] = f"op '{node.op}' has no {dev.kind} kernel (kernels exist for: {have})"
+            elif entry is None:
+                why[v, d] = f"the profile of '{dev.id}' has no entry for '{node.op}'"
+            else:
+                cost[v, d] = max(0.0, entry.ms(work[v]))
+    groups = []
+    for kind in sorted({dev.kind for dev in topology.devices}):
+        for window in fusion_windows(pipeline, catalog.fused.get(kind, ())):
+            key = "+".join(pipeline.nodes[i].op for i in window)
+            delta = np.full(D, np.nan)
+            for d, dev in enumerate(topology.devices):
+                entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
+                own = cost[list(window), d].sum()
+                if dev.kind == kind and entry is not None and np.isfinite(own):
+                    delta[d] = max(0.0, entry.ms(work[list(window)].sum())) - own
+            if not np.isnan(delta).all():
+                groups.append(Group(window, key, delta))
+    specs = effective_specs(pipeline)
+    outputs = {str(r) for r in pipeline.outputs.values()}
+    refs: list[TensorRef] = []
+    for label, spec in pipeline.inputs.items():
+        consumers = tuple(
+            v
+            for v, n in enumerate(pipeline.nodes)
+            if any(r.is_input and r.source == label for r in n.inputs)
+        )
+        refs.append(TensorRef(label, -1, consumers, False, float(spec.typical_nbytes)))
+    for u, node in enumerate(pipeline.nodes):
+        for port, spec in specs[node.name][1].items():
+            label = node.name if port == "out" else f"{node.name}.{port}"
+            consumers = tuple(
+                v
+                for v, n in enumerate(pipeline.nodes)
+                if any(
+                    not r.is_input and r.source == node.name and r.port == port for r in n.inputs
+                )
+            )
+            if consumers or label in outputs:
+                refs.append(
+                    TensorRef(label, u, consumers, label in outputs, float(spec.typical_nbytes))
+                )
+    mem = np.zeros(len(names))
+    for v, node in enumerate(pipeline.nodes):
+        ins, outs = specs[node.name]
+        nbytes = sum(s.typical_nbytes for s in ins) + sum(s.typical_nbytes for s in outs.values())
+        mem[v] = nbytes * pipeline.batch_max_size * BUFFER_SLOTS
+    route_load, route_ms, per_byte = _route_arrays(topology, resources)
+    return CostModel(
+        nodes=tuple(names),
+        devices=ids,
+        resources=tuple(resources),
+        divisor=divisor,
+        cost=cost,
+        why_not=why,
+        work=work,
+        groups=tuple(groups),
+        refs=tuple(refs),
+        route_load=route_load,
+        route_ms=route_ms,
+        route_ms_per_byte=per_byte,
+        mem=mem,
+        mem_cap=np.array([float(d.memory) if d.memory else np.inf for d in topology.devices]),
+        host=np.array([d.kind == "cpu" for d in topology.devices]),
+        ingress=ids.index(topology.ingress),
+        egress=ids.index(topology.egress),
+    )

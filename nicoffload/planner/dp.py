@@ -1,0 +1,168 @@
+"""Exact dynamic programming over a chain of nodes (decode -> resize -> crop -> normalize).
+
+A state is the device of the last placed node (and how long its run on that device is, for
+fusion) with the vector of everything the objective and the constraints can still grow: each
+resource's work, the item's time so far, the latency of outputs already delivered, and memory.
+The future adds the same to every state of one key, so a state dominated componentwise by
+another of its key is never better: pruning those (and states whose lower bound already exceeds
+an incumbent) keeps the search exact. Brute force in the tests checks that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nicoffload.planner.cost import CostModel
+from nicoffload.planner.evaluate import REL_TOL, Goal, best_row, evaluate
+
+
+def is_chain(model: CostModel) -> bool:
+    """Every tensor flows only to the next node; pipeline inputs only to the first."""
+    return all(set(r.consumers) <= ({0} if r.src < 0 else {r.src + 1}) for r in model.refs)
+
+
+def _pareto(vecs: np.ndarray) -> np.ndarray:
+    """Indices of the rows no other row dominates (<= everywhere); one of equal rows is kept."""
+    order = np.argsort(vecs.sum(axis=1), kind="stable")
+    kept: list[int] = []
+    block = np.empty((0, vecs.shape[1]))
+    for i in order:
+        if len(kept) and np.any(np.all(block <= vecs[i] + 1e-12, axis=1)):
+            continue
+        kept.append(i)
+        block = vecs[kept]
+    return np.array(kept, dtype=np.intp)
+
+
+def _relief(model: CostModel, v: int) -> np.ndarray:
+    """The most that fused groups not yet complete after node v can still take off each
+    component: states are over-counted by it until their group completes (bounds subtract it)."""
+    R, D = len(model.resources), len(model.devices)
+    out = np.zeros(R + 2 + D)
+    for g in model.groups:
+        if g.nodes[-1] > v:
+            gain = np.maximum(0.0, -np.nan_to_num(g.delta, nan=0.0))
+            out[:D] += gain
+            out[R] += gain.max()
+    return out
+
+
+def _bounds(model: CostModel, vecs: np.ndarray, relief: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Lower bounds of the final (bottleneck, latency, host) of each state."""
+    R, D = len(model.resources), len(model.devices)
+    low = vecs - relief
+    bottleneck = (low[:, :R] / model.divisor).max(axis=1)
+    latency = np.maximum(low[:, R], vecs[:, R + 1])
+    host = low[:, :D][:, model.host].sum(axis=1)
+    return bottleneck, latency, host
+
+
+def _incumbent(model: CostModel, goal: Goal, allowed: np.ndarray) -> float:
+    """The primary value of the best simple placement (all on one device, or each node's
+    cheapest device); any state whose bound exceeds it cannot be optimal."""
+    tries = [np.argmin(np.where(allowed, model.cost, np.inf), axis=1)]
+    tries += [np.full(model.n, d) for d in range(len(model.devices)) if allowed[:, d].all()]
+    P = np.array(tries, dtype=np.intp)
+    m = evaluate(model, P)
+    ok = m.feasible(goal) & allowed[np.arange(model.n), P].all(axis=1)
+    m = evaluate(model, P[ok]) if ok.any() else None
+    i = best_row(m, goal) if m is not None else None
+    return np.inf if i is None else float(m.keys(goal.objective)[0][i])
+
+
+def solve_chain(
+    model: CostModel, goal: Goal, allowed: np.ndarray | None = None
+) -> np.ndarray | None:
+    """The best placement of a chain (device index per node), or None when nothing is feasible."""
+    allowed = model.allowed if allowed is None else allowed & model.allowed
+    D, R, n = len(model.devices), len(model.resources), model.n
+    K = R + 2 + D  # work per resource, time so far, latency of outputs so far, memory per device
+    T, LAT = R, R + 1
+    cap = _incumbent(model, goal, allowed) * (1 + REL_TOL) + 1e-12
+    ends: dict[int, list] = {}
+    for g in model.groups:
+        ends.setdefault(g.nodes[-1], []).append(g)
+    out_of = {u: [r for r in model.refs if r.src == u] for u in range(n)}
+    inputs = [r for r in model.refs if r.src < 0]
+    # frontier: (device, run length) -> (vectors (F, K), placements (F, i + 1))
+    frontier: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for d in np.flatnonzero(allowed[0]):
+        vec = np.zeros(K)
+        for r in inputs:
+            if model.ingress != d:
+                vec[:R] += r.nbytes * model.route_load[model.ingress, d]
+                vec[T] = max(vec[T], model.ref_time(r, model.ingress, d))
+        vecs = vec[None, :]
+        _place(model, vecs, 0, d, 1, ends)
+        frontier[(d, 1)] = (vecs, np.array([[d]], dtype=np.int8))
+    frontier = _prune(model, goal, frontier, cap, _relief(model, 0))
+    for v in range(1, n + 1):
+        grown: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+        targets = np.flatnonzero(allowed[v]) if v < n else [None]
+        for (d, run), (vecs, placed) in frontier.items():
+            for t in targets:
+                new = vecs.copy()
+                for r in out_of[v - 1]:
+                    dests = set()
+                    if t is not None and v in r.consumers:
+                        dests.add(t)
+                    if r.output:
+                        dests.add(model.egress)
+                        deliver = new[:, T] + model.ref_time(r, d, model.egress)
+                        new[:, LAT] = np.maximum(new[:, LAT], deliver)
+                    for dest in dests - {d}:
+                        new[:, :R] += r.nbytes * model.route_load[d, dest]
+                if t is None:
+                    grown.setdefault((d, run), []).append((new, placed))
+                    continue
+                arrive = max(
+                    (model.ref_time(r, d, t) for r in out_of[v - 1] if v in r.consumers),
+                    default=0.0,
+                )
+                new[:, T] += arrive
+                key = (t, run + 1 if t == d else 1)
+                _place(model, new, v, t, key[1], ends)
+                column = np.full((len(placed), 1), t, dtype=np.int8)
+                grown.setdefault(key, []).append((new, np.hstack([placed, column])))
+        frontier = {
+            k: (np.vstack([a for a, _ in parts]), np.vstack([b for _, b in parts]))
+            for k, parts in grown.items()
+        }
+        frontier = _prune(model, goal, frontier, cap, _relief(model, v))
+    if not frontier:
+        return None
+    P = np.vstack([placed for _, placed in frontier.values()]).astype(np.intp)
+    i = best_row(evaluate(model, P), goal)
+    return None if i is None else P[i]
+
+
+def _place(model: CostModel, vecs: np.ndarray, v: int, d: int, run: int, ends: dict) -> None:
+    """Add node v on device d (a run of `run` nodes there) to state vectors, in place."""
+    R, _D = len(model.resources), len(model.devices)
+    ms = model.cost[v, d]
+    for g in ends.get(v, ()):
+        if run >= len(g.nodes) and not np.isnan(g.delta[d]):
+            ms += g.delta[d]
+    vecs[:, d] += ms
+    vecs[:, R] += ms
+    vecs[:, R + 2 + d] += model.mem[v]
+
+
+def _prune(model: CostModel, goal: Goal, frontier: dict, cap: float, relief: np.ndarray) -> dict:
+    R, D = len(model.resources), len(model.devices)
+    slack = 1 + REL_TOL
+    out = {}
+    for key, (vecs, placed) in frontier.items():
+        bottleneck, latency, host = _bounds(model, vecs, relief)
+        primary = {"throughput": bottleneck, "latency": latency, "host-cpu": host}[goal.objective]
+        keep = (
+            (bottleneck <= goal.max_load_ms * slack)
+            & (latency <= goal.latency_cap * slack)
+            & np.all(vecs[:, R + 2 : R + 2 + D] <= model.mem_cap, axis=1)
+            & (primary <= cap)
+        )
+        vecs, placed = vecs[keep], placed[keep]
+        if len(vecs):
+            idx = _pareto(vecs)
+            out[key] = (vecs[idx], placed[idx])
+    return out

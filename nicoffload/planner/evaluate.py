@@ -1,0 +1,164 @@
+"""What a placement costs under the model: loads, throughput, latency, host CPU; and the goal.
+
+`evaluate` works on many placements at once (rows of device indices); brute force, the tests and
+explain all judge placements through it, so every solver answers to one definition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.planner.cost import CostModel
+
+OBJECTIVES = ("throughput", "latency", "host-cpu")
+REL_TOL = 1e-7
+
+
+@dataclass(frozen=True)
+class Goal:
+    """The objective, and the constraints every objective honours when they are given."""
+
+    objective: str = "throughput"
+    min_throughput_per_s: float | None = None
+    max_latency_ms: float | None = None
+
+    @property
+    def max_load_ms(self) -> float:
+        return 1e3 / self.min_throughput_per_s if self.min_throughput_per_s else np.inf
+
+    @property
+    def latency_cap(self) -> float:
+        return self.max_latency_ms if self.max_latency_ms is not None else np.inf
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Per placement (row): work (core-ms or link-ms per item) and load of each resource, etc."""
+
+    work: np.ndarray  # (M, R)
+    load: np.ndarray  # (M, R) work / divisor: ms of the resource per item
+    bottleneck: np.ndarray  # (M,) ms per item of the busiest resource
+    latency: np.ndarray  # (M,) ms per item, critical path with transfers
+    host: np.ndarray  # (M,) host CPU ms per item
+    memory: np.ndarray  # (M, D) bytes
+    ok: np.ndarray  # (M,) every node on an allowed device, memory fits
+
+    def keys(self, objective: str) -> tuple[np.ndarray, np.ndarray]:
+        """(primary, secondary) per row; lower is better."""
+        return {
+            "throughput": (self.bottleneck, self.latency),
+            "latency": (self.latency, self.bottleneck),
+            "host-cpu": (self.host, self.bottleneck),
+        }[objective]
+
+    def feasible(self, goal: Goal) -> np.ndarray:
+        slack = 1 + REL_TOL
+        return (
+            self.ok
+            & (self.bottleneck <= goal.max_load_ms * slack)
+            & (self.latency <= goal.latency_cap * slack)
+        )
+
+
+def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
+    """Metrics of each row of `placements` ((M, n) device indices, in model.nodes order)."""
+    P = np.atleast_2d(np.asarray(placements, dtype=np.intp))
+    M, n = P.shape
+    rows = np.arange(M)
+    work = np.zeros((M, len(model.resources)))
+    node_ms = np.empty((M, n))
+    for v in range(n):
+        node_ms[:, v] = model.cost[v, P[:, v]]
+        np.add.at(work, (rows, P[:, v]), np.where(np.isfinite(node_ms[:, v]), node_ms[:, v], 0.0))
+    for g in model.groups:
+        dev = P[:, g.nodes[0]]
+        same = np.all(P[:, list(g.nodes)] == dev[:, None], axis=1)
+        delta = np.where(same, np.nan_to_num(g.delta[dev], nan=0.0), 0.0)
+        np.add.at(work, (rows, dev), delta)
+        node_ms[:, g.nodes[-1]] += delta
+    finish = np.zeros((M, n))
+    ready = np.zeros((M, n))
+    latency = np.zeros(M)
+    egress = np.full(M, model.egress)
+    for r in model.refs:
+        src = P[:, r.src] if r.src >= 0 else np.full(M, model.ingress)
+        dest = np.zeros((M, len(model.devices)), dtype=bool)
+        for c in r.consumers:
+            dest[rows, P[:, c]] = True
+        if r.output:
+            dest[:, model.egress] = True
+        dest[rows, src] = False
+        work += r.nbytes * np.einsum("md,mdr->mr", dest, model.route_load[src])
+    for v in range(n):
+        for r in model.refs:
+            if v in r.consumers:
+                src = P[:, r.src] if r.src >= 0 else np.full(M, model.ingress)
+                start = finish[:, r.src] if r.src >= 0 else 0.0
+                arrive = start + _route_time(model, r.nbytes, src, P[:, v])
+                ready[:, v] = np.maximum(ready[:, v], arrive)
+        finish[:, v] = ready[:, v] + node_ms[:, v]
+    for r in model.refs:
+        if r.output and r.src >= 0:
+            done = finish[:, r.src] + _route_time(model, r.nbytes, P[:, r.src], egress)
+            latency = np.maximum(latency, done)
+    memory = np.zeros((M, len(model.devices)))
+    for v in range(n):
+        np.add.at(memory, (rows, P[:, v]), model.mem[v])
+    ok = np.all(np.isfinite(node_ms), axis=1) & np.all(memory <= model.mem_cap, axis=1)
+    load = work / model.divisor
+    return Metrics(
+        work,
+        load,
+        load.max(axis=1),
+        latency,
+        work[:, : len(model.devices)][:, model.host].sum(axis=1),
+        memory,
+        ok,
+    )
+
+
+def _route_time(model: CostModel, nbytes: float, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    return model.route_ms[src, dst] + nbytes * model.route_ms_per_byte[src, dst]
+
+
+def best_row(metrics: Metrics, goal: Goal) -> int | None:
+    """The best feasible row: least primary key, ties (within REL_TOL) broken by the secondary."""
+    feasible = np.flatnonzero(metrics.feasible(goal))
+    if not len(feasible):
+        return None
+    primary, secondary = (k[feasible] for k in metrics.keys(goal.objective))
+    tied = primary <= primary.min() * (1 + REL_TOL) + 1e-12
+    return int(feasible[tied][np.argmin(secondary[tied])])
+
+
+def brute_force(
+    model: CostModel, goal: Goal, chunk: int = 1 << 16
+) -> tuple[np.ndarray, Metrics] | None:
+    """The best placement by exhaustive search (small problems: tests and explain), or None."""
+    choices = [np.flatnonzero(model.allowed[v]) for v in range(model.n)]
+    if any(len(c) == 0 for c in choices):
+        return None
+    best: tuple[float, float, np.ndarray] | None = None
+    product = itertools.product(*choices)
+    while True:
+        block = np.array(list(itertools.islice(product, chunk)), dtype=np.intp)
+        if not len(block):
+            break
+        m = evaluate(model, block)
+        i = best_row(m, goal)
+        if i is not None:
+            primary, secondary = (k[i] for k in m.keys(goal.objective))
+            if best is None or _better((primary, secondary), best[:2]):
+                best = (primary, secondary, block[i])
+    if best is None:
+        return None
+    return best[2], evaluate(model, best[2][None, :])
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    if a[0] < b[0] * (1 - REL_TOL) - 1e-12:
+        return True
+    return a[0] <= b[0] * (1 + REL_TOL) + 1e-12 and a[1] < b[1] * (1 - REL_TOL) - 1e-12

@@ -1,0 +1,227 @@
+"""Exact placement of a DAG as a mixed-integer program (scipy.optimize.milp, HiGHS).
+
+x[v,d] = 1 places node v on device d. Products of placements are linearized exactly:
+  z[g,d]  = all nodes of fused group g on d            (z <= x, z >= sum x - (|g| - 1))
+  y[r,d]  = tensor r must be delivered to device d     (y >= x[consumer,d] - x[src,d])
+  q[r,k]  = load tensor r puts on resource k            (q >= sum_d load[s,d,k] y[r,d] - M (1 - x[src,s]))
+  e[r,c]  = transfer time of r to its consumer c        (same form, with route times)
+  t[v]    = time node v may start; L >= t + node time + delivery for every output.
+Lexicographic: the primary objective, then the secondary with the primary held at its optimum.
+scipy is imported here only, when a DAG is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.planner.cost import CostModel
+from nicoffload.planner.evaluate import REL_TOL, Goal
+
+BIG = 1e9
+
+
+@dataclass
+class MilpResult:
+    placement: np.ndarray | None
+    status: str
+    gap: float  # relative MIP gap HiGHS reports for the primary solve (0 when proven optimal)
+    solves: int
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[int] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, lb: float = 0.0, ub: float = np.inf, integer: bool = False) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(int(integer))
+        return len(self.lb) - 1
+
+    def row(self, coefs: dict[int, float], lo: float = -np.inf, hi: float = np.inf) -> None:
+        self.rows.append((coefs, lo, hi))
+
+
+def _add(into: dict[int, float], col: int, value: float) -> None:
+    if value:
+        into[col] = into.get(col, 0.0) + value
+
+
+def _grouped(rows: np.ndarray, sources: list[int]) -> list[tuple[list[int], np.ndarray]]:
+    """Sources whose rows are equal share one constraint (a tree link: one per side)."""
+    groups: dict[bytes, tuple[list[int], np.ndarray]] = {}
+    for s in sources:
+        key = np.round(rows[s], 15).tobytes()
+        groups.setdefault(key, ([], rows[s]))[0].append(s)
+    return list(groups.values())
+
+
+def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None):
+    b = _Builder()
+    n, D, R = model.n, len(model.devices), len(model.resources)
+    x = {(v, d): b.var(0, 1, True) for v in range(n) for d in range(D) if allowed[v, d]}
+    work = [dict() for _ in range(R)]  # resource -> linear expression of its work
+    node_ms: list[dict[int, float]] = [dict() for _ in range(n)]
+    for (v, d), col in x.items():
+        _add(work[d], col, model.cost[v, d])
+        _add(node_ms[v], col, model.cost[v, d])
+    for v in range(n):
+        b.row({x[v, d]: 1.0 for d in range(D) if (v, d) in x}, 1.0, 1.0)
+    for g in model.groups:
+        for d in range(D):
+            if np.isnan(g.delta[d]) or not all((v, d) in x for v in g.nodes):
+                continue
+            z = b.var(0, 1)
+            for v in g.nodes:
+                b.row({z: 1.0, x[v, d]: -1.0}, hi=0.0)
+            b.row({z: 1.0, **{x[v, d]: -1.0 for v in g.nodes}}, lo=1.0 - len(g.nodes))
+            _add(work[d], z, g.delta[d])
+            _add(node_ms[g.nodes[-1]], z, g.delta[d])
+    start = [b.var() for _ in range(n)]
+    L = b.var()
+    for r in model.refs:
+        fixed = r.src < 0
+        srcs = [model.ingress] if fixed else [d for d in range(D) if allowed[r.src, d]]
+        need: dict[int, dict[int, float]] = {}  # destination -> lower bounds of y
+        y = {}
+        for d in range(D):
+            wants = [c for c in r.consumers if allowed[c, d]]
+            if (not wants and not (r.output and d == model.egress)) or (
+                fixed and d == model.ingress
+            ):
+                continue
+            y[d] = b.var(0, 1)
+            src_here = {} if fixed or (r.src, d) not in x else {x[r.src, d]: 1.0}
+            for c in wants:
+                b.row({y[d]: 1.0, x[c, d]: -1.0, **src_here}, lo=0.0)
+            if r.output and d == model.egress:
+                b.row({y[d]: 1.0, **src_here}, lo=1.0)
+            need[d] = src_here
+        for k in range(R):
+            rows = r.nbytes * model.route_load[:, :, k]
+            if not any(rows[s, d] for s in srcs for d in y):
+                continue
+            if fixed:
+                for d, col in y.items():
+                    _add(work[k], col, rows[model.ingress, d])
+                continue
+            q = b.var()
+            _add(work[k], q, 1.0)
+            for group, row in _grouped(rows, srcs):
+                big = sum(row[d] for d in y)
+                coefs = {q: 1.0}
+                for d, col in y.items():
+                    _add(coefs, col, -row[d])
+                for s in group:
+                    _add(coefs, x[r.src, s], -big)
+                b.row(coefs, lo=-big)
+        for c in r.consumers:
+            times = np.array([[model.ref_time(r, s, d) for d in range(D)] for s in range(D)])
+            # start[c] >= start[src] + node time of src + transfer time
+            coefs = {start[c]: 1.0}
+            if fixed:
+                for d in range(D):
+                    if (c, d) in x:
+                        _add(coefs, x[c, d], -times[model.ingress, d])
+                b.row(coefs, lo=0.0)
+                continue
+            e = b.var()
+            coefs.update({start[r.src]: -1.0, e: -1.0})
+            for col, ms in node_ms[r.src].items():
+                _add(coefs, col, -ms)
+            b.row(coefs, lo=0.0)
+            for group, row in _grouped(times, srcs):
+                big = max(row[d] for d in range(D) if (c, d) in x)
+                coefs = {e: 1.0}
+                for d in range(D):
+                    if (c, d) in x:
+                        _add(coefs, x[c, d], -row[d])
+                for s in group:
+                    _add(coefs, x[r.src, s], -big)
+                b.row(coefs, lo=-big)
+        if r.output and not fixed:
+            coefs = {L: 1.0, start[r.src]: -1.0}
+            for col, ms in node_ms[r.src].items():
+                _add(coefs, col, -ms)
+            for s in srcs:
+                _add(coefs, x[r.src, s], -model.ref_time(r, s, model.egress))
+            b.row(coefs, lo=0.0)
+    T = b.var()
+    for k in range(R):
+        b.row({T: 1.0, **{c: -v / model.divisor[k] for c, v in work[k].items()}}, lo=0.0)
+    H = b.var()
+    host = {}
+    for d in np.flatnonzero(model.host):
+        for c, v in work[d].items():
+            _add(host, c, -v)
+    b.row({H: 1.0, **host}, lo=0.0)
+    for d in range(D):
+        if np.isfinite(model.mem_cap[d]):
+            b.row({x[v, d]: model.mem[v] for v in range(n) if (v, d) in x}, hi=model.mem_cap[d])
+    if np.isfinite(goal.max_load_ms):
+        b.row({T: 1.0}, hi=goal.max_load_ms)
+    if np.isfinite(goal.latency_cap):
+        b.row({L: 1.0}, hi=goal.latency_cap)
+    if exclude is not None:
+        b.row({x[v, int(d)]: 1.0 for v, d in enumerate(exclude)}, hi=n - 1)
+    keys = {"throughput": (T, L), "latency": (L, T), "host-cpu": (H, T)}[goal.objective]
+    return b, x, keys
+
+
+def solve_milp(
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray | None = None,
+    exclude: np.ndarray | None = None,
+    time_limit: float = 60.0,
+) -> MilpResult:
+    """The best placement (lexicographic primary, secondary), optionally not `exclude`."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    allowed = model.allowed if allowed is None else allowed & model.allowed
+    if not allowed.any(axis=1).all():
+        return MilpResult(None, "infeasible", 0.0, 0)
+    b, x, (primary, secondary) = _formulate(model, goal, allowed, exclude)
+    data, ri, ci, lo, hi = [], [], [], [], []
+    for i, (coefs, a, z) in enumerate(b.rows):
+        for c, v in coefs.items():
+            ri.append(i)
+            ci.append(c)
+            data.append(v)
+        lo.append(a)
+        hi.append(z)
+    nv = len(b.lb)
+    A = coo_matrix((data, (ri, ci)), shape=(len(b.rows), nv)).tocsr()
+    bounds = Bounds(np.array(b.lb), np.array(b.ub))
+    options = {"mip_rel_gap": 1e-9, "time_limit": time_limit}
+    solves, gap, extra = 0, 0.0, []
+    for which, key in enumerate((primary, secondary)):
+        c = np.zeros(nv)
+        c[key] = 1.0
+        cons = [LinearConstraint(A, np.array(lo), np.array(hi)), *extra]
+        res = milp(
+            c, constraints=cons, integrality=np.array(b.integer), bounds=bounds, options=options
+        )
+        solves += 1
+        if res.x is None:
+            status = "infeasible" if res.status == 2 else f"failed: {res.message}"
+            if which == 0:
+                return MilpResult(None, status, np.inf, solves)
+            break
+        best = res.x
+        if which == 0:
+            gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+            row = np.zeros(nv)
+            row[primary] = 1.0
+            extra = [LinearConstraint(row[None, :], -np.inf, res.x[primary] * (1 + REL_TOL) + 1e-9)]
+    placement = np.full(model.n, -1, dtype=np.intp)
+    for (v, d), col in x.items():
+        if best[col] > 0.5:
+            placement[v] = d
+    return MilpResult(placement, "optimal", gap, solves)

@@ -1,0 +1,336 @@
+"""plan_for: the planner's entry point. Resolves the topology and profiles, applies the pipeline's
+pins, solves exactly (DP for chains, MILP for DAGs) and builds the Plan the runtime executes.
+
+When nothing is feasible it says why, naming the node (or the SLO) and where it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from nicoffload.errors import Mark, PlanError
+from nicoffload.graph import Pipeline
+from nicoffload.planner.cost import Catalog, CostModel, build_model
+from nicoffload.planner.dp import is_chain, solve_chain
+from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate
+from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
+from nicoffload.profiles import Profile, load_profile
+from nicoffload.topology import Topology, load_topology, local_topology
+
+ProfileArg = str | Path | Profile | Sequence[str | Path | Profile] | None
+
+
+def solve(model: CostModel, goal: Goal, allowed: np.ndarray | None = None, exclude=None):
+    """The best placement (device index per node) or None; DP for chains, else the MILP."""
+    if exclude is None and is_chain(model):
+        return solve_chain(model, goal, allowed)
+    from nicoffload.planner.milp import solve_milp
+
+    return solve_milp(model, goal, allowed, exclude).placement
+
+
+def runner_up(
+    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray
+) -> np.ndarray | None:
+    """The best placement other than `best`: for a chain, the best over forcing one node elsewhere."""
+    if not is_chain(model):
+        return solve(model, goal, allowed, exclude=best)
+    found = []
+    for v in range(model.n):
+        for d in np.flatnonzero(allowed[v]):
+            if d != best[v]:
+                forced = allowed.copy()
+                forced[v] = False
+                forced[v, d] = True
+                p = solve_chain(model, goal, forced)
+                if p is not None:
+                    found.append(p)
+    if not found:
+        return None
+    from nicoffload.planner.evaluate import best_row
+
+    P = np.array(found)
+    i = best_row(evaluate(model, P), goal)
+    return None if i is None else P[i]
+
+
+def resolve_topology(topology: Topology | str | Path | None) -> Topology:
+    if topology is None:
+        return local_topology()
+    return topology if isinstance(topology, Topology) else load_topology(topology)
+
+
+def resolve_profiles(topology: Topology, profile: ProfileArg = None) -> dict[str, Profile]:
+    """Each device's profile: one given for its kind (`--profile`), else the topology's."""
+    given = (
+        []
+        if profile is None
+        else [profile]
+        if isinstance(profile, (str, Path, Profile))
+        else list(profile)
+    )
+    by_kind: dict[str, Profile] = {}
+    for p in given:
+        p = p if isinstance(p, Profile) else load_profile(p)
+        by_kind[p.kind] = p
+    from nicoffload.profiles import default_profile_for
+
+    cache: dict[str, Profile] = {}
+    out = {}
+    for dev in topology.devices:
+        if dev.kind in by_kind:
+            out[dev.id] = by_kind[dev.kind]
+        elif dev.emulated and "cpu" in by_kind:  # an emulated DPU runs on the host's cores
+            out[dev.id] = by_kind["cpu"]
+        else:
+            path = dev.profile or default_profile_for(dev.kind)
+            if path not in cache:
+                cache[path] = load_profile(path)
+            out[dev.id] = cache[path]
+    return out
+
+
+def _file_marks(pipeline: Pipeline) -> tuple[dict[str, Mark], dict[str, Mark]]:
+    """Marks of `placement` entries and `slo` values in the pipeline file (where they exist)."""
+    from nicoffload.yamlmarks import MMap, read_marked
+
+    try:
+        doc = read_marked(pipeline.path)
+    except Exception:
+        return {}, {}
+    pins, slo = {}, {}
+    if isinstance(doc, MMap) and isinstance(doc.get("placement"), MMap):
+        pins = {str(k): doc["placement"].value_marks[k] for k in doc["placement"]}
+    if isinstance(doc, MMap) and isinstance(doc.get("slo"), MMap):
+        slo = {str(k): doc["slo"].value_marks[k] for k in doc["slo"]}
+    return pins, slo
+
+
+def _pinned(entry: str, topology: Topology) -> list[int]:
+    kind, _, which = entry.partition(":")
+    return [
+        i
+        for i, d in enumerate(topology.devices)
+        if d.kind == kind and (not which or d.id in (which, f"{kind}{which}"))
+    ]
+
+
+def allowed_mask(pipeline: Pipeline, topology: Topology, model: CostModel) -> np.ndarray:
+    """Kernels, profiles and pins together; a node left with no device is a PlanError."""
+    pin_marks, _ = _file_marks(pipeline)
+    allowed = model.allowed.copy()
+    for v, node in enumerate(pipeline.nodes):
+        mark = pin_marks.get(node.name, node.mark)
+        pins = pipeline.placement.get(node.name)
+        if pins:
+            keep = sorted({d for entry in pins for d in _pinned(entry, topology)})
+            if not keep:
+                raise PlanError(
+                    f"node '{node.name}' is pinned to {', '.join(pins)}, but topology "
+                    f"'{topology.name}' has no such device (devices: {', '.join(topology.ids)})",
+                    mark,
+                )
+            pin_mask = np.zeros(len(topology.ids), bool)
+            pin_mask[keep] = True
+            allowed[v] &= pin_mask
+        else:
+            keep = list(range(len(topology.ids)))
+        if not allowed[v].any():
+            reasons = "; ".join(
+                f"{topology.ids[d]}: {model.why_not.get((v, d), 'not allowed')}" for d in keep
+            )
+            pinned = f" is pinned to {', '.join(pins)}, but" if pins else " cannot run anywhere:"
+            raise PlanError(f"node '{node.name}'{pinned} {reasons}", mark)
+        fits = allowed[v] & (model.mem[v] <= model.mem_cap)
+        if not fits.any():
+            raise PlanError(
+                f"node '{node.name}' needs {model.mem[v] / 2**20:.0f} MiB of batch buffers "
+                f"(batch {pipeline.batch_max_size} x 2 slots), more than any device it may use has",
+                mark,
+            )
+    return allowed
+
+
+def _diagnose(
+    pipeline: Pipeline, model: CostModel, goal: Goal, allowed: np.ndarray, cli: bool
+) -> PlanError:
+    """Why no placement meets the SLO: the best each constraint alone allows, and its worst node."""
+    _, slo_marks = _file_marks(pipeline)
+    parts, mark = [], None
+    for objective, limit, key, flag in (
+        ("latency", goal.max_latency_ms, "latency_ms", "--max-latency-ms"),
+        ("throughput", goal.min_throughput_per_s, "throughput_per_s", "--min-throughput"),
+    ):
+        if limit is None:
+            continue
+        best = solve(model, Goal(objective), allowed)
+        m = evaluate(model, best[None, :]) if best is not None else None
+        where = flag if cli or key not in slo_marks else f"slo.{key}"
+        if objective == "latency" and m is not None and m.latency[0] > limit:
+            worst = int(np.argmax(model.cost[np.arange(model.n), best]))
+            parts.append(
+                f"no placement meets the latency SLO of {limit:g} ms ({where}): the fastest takes "
+                f"{m.latency[0]:.3f} ms, most of it node '{model.nodes[worst]}' "
+                f"({model.cost[worst, best[worst]]:.3f} ms on {model.devices[best[worst]]})"
+            )
+            mark = mark or (None if cli else slo_marks.get(key))
+        if objective == "throughput" and m is not None and 1e3 / m.bottleneck[0] < limit:
+            k = int(np.argmax(m.load[0]))
+            on_k = [v for v in range(model.n) if best[v] == k]
+            worst = max(on_k, key=lambda v: model.cost[v, k]) if on_k else None
+            who = f", most of it node '{model.nodes[worst]}'" if worst is not None else ""
+            parts.append(
+                f"no placement reaches {limit:g} items/s ({where}): the best reaches "
+                f"{1e3 / m.bottleneck[0]:.0f}/s, limited by {model.resources[k]}{who}"
+            )
+            mark = mark or (None if cli else slo_marks.get(key))
+    if not parts:
+        parts.append(
+            f"no placement meets the latency SLO ({goal.max_latency_ms} ms) and the throughput "
+            f"floor ({goal.min_throughput_per_s}/s) together; relax one of them"
+        )
+    return PlanError("; ".join(parts), mark)
+
+
+def plan_for(
+    pipeline: Pipeline,
+    topology: Topology | str | Path | None = None,
+    profile: ProfileArg = None,
+    objective: str = "throughput",
+    *,
+    min_throughput_per_s: float | None = None,
+    max_latency_ms: float | None = None,
+    explain: bool = False,
+    catalog: Catalog | None = None,
+) -> Plan:
+    """The best Plan for `pipeline` on `topology` (the local machine when None).
+
+    Constraints given here override the pipeline's `slo`. `explain=True` adds per-resource
+    loads, the latency path and the runner-up placement (with why it lost) to `plan.explain`.
+    """
+    if objective not in OBJECTIVES:
+        raise PlanError(
+            f"unknown objective '{objective}' (expected one of: {', '.join(OBJECTIVES)})"
+        )
+    topo = resolve_topology(topology)
+    model = build_model(
+        pipeline, topo, resolve_profiles(topo, profile), catalog or Catalog.from_registry()
+    )
+    cli = min_throughput_per_s is not None or max_latency_ms is not None
+    goal = Goal(
+        objective,
+        min_throughput_per_s if min_throughput_per_s is not None else pipeline.slo_throughput_per_s,
+        max_latency_ms if max_latency_ms is not None else pipeline.slo_latency_ms,
+    )
+    allowed = allowed_mask(pipeline, topo, model)
+    best = solve(model, goal, allowed)
+    if best is None:
+        raise _diagnose(pipeline, model, goal, allowed, cli)
+    plan = make_plan(pipeline, topo, model, goal, best)
+    if explain:
+        from nicoffload.planner.explain import explanation
+
+        second = runner_up(model, goal, best, allowed)
+        plan = replace(plan, explain=explanation(model, topo, goal, best, second))
+    return plan
+
+
+def _route_text(topology: Topology, src: str, dst: str) -> tuple[str, str | None]:
+    hops = topology.route(src, dst)
+    if not hops:
+        return "inproc", None
+    return "+".join(h.link.transport for h in hops), "->".join([src] + [h.dst for h in hops])
+
+
+def make_plan(
+    pipeline: Pipeline, topology: Topology, model: CostModel, goal: Goal, best: np.ndarray
+) -> Plan:
+    """The Plan of one placement, with every stage and transfer predicted by the model."""
+    placement = {name: model.devices[d] for name, d in zip(model.nodes, best, strict=True)}
+    m: Metrics = evaluate(model, best[None, :])
+    stages, transfers = stages_for(pipeline, placement)
+    index = {name: i for i, name in enumerate(model.nodes)}
+    new_stages = []
+    for s in stages:
+        d = model.devices.index(s.device)
+        members = {index[n] for n in s.nodes}
+        ms = sum(model.cost[v, d] for v in members)
+        ms += sum(
+            g.delta[d] for g in model.groups if set(g.nodes) <= members and not np.isnan(g.delta[d])
+        )
+        new_stages.append(replace(s, predicted_ms_per_item=round(float(ms), 6)))
+    refs = {r.label: r for r in model.refs}
+    device_of = {s.name: s.device for s in stages}
+    new_transfers = []
+    for t in transfers:
+        a, b = device_of[t.src_stage], device_of[t.dst_stage]
+        transport, link = _route_text(topology, a, b)
+        r = refs[t.tensor]
+        ms = r and model.ref_time(r, model.devices.index(a), model.devices.index(b))
+        new_transfers.append(
+            replace(
+                t,
+                transport=transport,
+                link=link,
+                bytes_per_item=int(r.nbytes),
+                predicted_ms_per_item=round(ms, 6),
+            )
+        )
+    io = []
+    stage_of = {n: s for s in stages for n in s.nodes}
+    for r in model.refs:
+        if r.src < 0:
+            for dev in sorted(
+                {placement[model.nodes[c]] for c in r.consumers} - {topology.ingress}
+            ):
+                first = next(
+                    stage_of[model.nodes[c]].name
+                    for c in r.consumers
+                    if placement[model.nodes[c]] == dev
+                )
+                io.append(_io(topology, model, r, topology.ingress, dev, "ingress", first))
+        elif r.output and placement[model.nodes[r.src]] != topology.egress:
+            src = placement[model.nodes[r.src]]
+            io.append(
+                _io(
+                    topology,
+                    model,
+                    r,
+                    src,
+                    topology.egress,
+                    stage_of[model.nodes[r.src]].name,
+                    "egress",
+                )
+            )
+    loads = {
+        k: round(float(x), 6) for k, x in zip(model.resources, m.load[0], strict=True) if x > 0
+    }
+    return Plan(
+        pipeline=pipeline.name,
+        placement=placement,
+        stages=tuple(new_stages),
+        transfers=tuple(new_transfers),
+        objective=goal.objective,
+        predicted=Predicted(
+            latency_ms=round(float(m.latency[0]), 6),
+            throughput_per_s=round(1e3 / float(m.bottleneck[0]), 3) if m.bottleneck[0] > 0 else 1e12,
+            host_cpu_ms_per_item=round(float(m.host[0]), 6),
+        ),
+        topology=topology.name,
+        ingress=topology.ingress,
+        egress=topology.egress,
+        io_transfers=tuple(io),
+        loads=loads,
+    )
+
+
+def _io(
+    topology: Topology, model: CostModel, r, src: str, dst: str, src_stage: str, dst_stage: str
+) -> TransferPlan:
+    transport, link = _route_text(topology, src, dst)
+    ms = model.ref_time(r, model.devices.index(src), model.devices.index(dst))
+    return TransferPlan(src_stage, dst_stage, r.label, transport, int(r.nbytes), link, round(ms, 6))
