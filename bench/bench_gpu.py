@@ -1,0 +1,651 @@
+"""GPU preprocessing benchmarks: ceilings, kernels, and ResNet-50 preprocessing side by side.
+
+    PYTHONPATH=. python3 bench/bench_gpu.py --out OUT_DIR [--sections ceilings,kernels,pipeline,parity]
+
+Everything in one process and one run, on the same JPEGs: copy and PCIe ceilings, the fused
+kernel's bandwidth, nvJPEG decode alone, the usual torchvision recipe, and our GPU stage. Writes
+OUT_DIR/bench_gpu.json (every number) and OUT_DIR/h200.json (the fitted GPU profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+RESNET = "pipelines/resnet50.yaml"
+
+
+# --- data: realistic JPEGs from scikit-image's photographs ------------------------------------
+
+
+def _photos():
+    import skimage.data
+
+    names = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry")
+    ps = [np.ascontiguousarray(getattr(skimage.data, n)()[..., :3]) for n in names]
+    ps.append(skimage.data.stereo_motorcycle()[0])
+    return ps
+
+
+_PHOTOS = None
+
+
+def make_jpeg(args: tuple[int, int, int]) -> bytes:
+    """One photo-like JPEG (crop of a photograph, sharpened, sensor noise), quality 94, 4:2:0."""
+    from PIL import Image, ImageFilter
+
+    global _PHOTOS
+    if _PHOTOS is None:
+        _PHOTOS = _photos()
+    i, w, h = args
+    rng = np.random.default_rng([7, i, w])
+    p = _PHOTOS[i % len(_PHOTOS)]
+    ph, pw = p.shape[:2]
+    f = rng.uniform(0.5, 1.0)
+    cw, ch = pw * f, pw * f * h / w
+    if ch > ph:
+        ch, cw = ph, ph * w / h
+    x0, y0 = rng.uniform(0, pw - cw), rng.uniform(0, ph - ch)
+    im = Image.fromarray(p).resize((w, h), Image.BICUBIC, box=(x0, y0, x0 + cw, y0 + ch))
+    if rng.random() < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    im = im.filter(ImageFilter.UnsharpMask(radius=1.5, percent=150, threshold=1))
+    noise = rng.normal(0, 3.5, (h, w, 1)) + rng.normal(0, 1.5, (h, w, 3))
+    a = np.clip(np.asarray(im, np.float64) + noise, 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", quality=94, subsampling=2)
+    return buf.getvalue()
+
+
+def dataset(n: int, w: int, h: int) -> list[bytes]:
+    with Pool(min(16, os.cpu_count() or 1)) as pool:
+        return pool.map(make_jpeg, [(i, w, h) for i in range(n)], chunksize=8)
+
+
+# --- timing helpers ---------------------------------------------------------------------------
+
+
+def cuda_ms(torch, fn, reps: int = 30, warm: int = 5) -> float:
+    """Median device time of fn() in ms, by CUDA events."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+def env() -> dict:
+    import cupy
+    import torch
+    import torchvision
+
+    smi = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit",
+            "--format=csv,noheader",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(0),
+        "nvidia_smi": smi,
+        "cpu_cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchvision": torchvision.__version__,
+        "cupy": cupy.__version__,
+        "command": " ".join(sys.argv),
+    }
+
+
+# --- ceilings ---------------------------------------------------------------------------------
+
+
+def ceilings(torch) -> dict:
+    dev = torch.device("cuda")
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    b = torch.empty_like(a)
+    d2d = cuda_ms(torch, lambda: b.copy_(a), reps=20)
+    a = b = None  # free the 2 GiB
+    m = 256 << 20
+    host = torch.empty(m, dtype=torch.uint8, pin_memory=True).random_(0, 255)
+    pageable = torch.empty(m, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty(m, dtype=torch.uint8, device=dev)
+    h2d = cuda_ms(torch, lambda: dst.copy_(host, non_blocking=True), reps=20)
+    d2h = cuda_ms(torch, lambda: host.copy_(dst, non_blocking=True), reps=20)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(pageable)
+    torch.cuda.synchronize()
+    pg = (time.perf_counter() - t0) / 5 * 1e3
+    small = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    sdst = torch.empty(4096, dtype=torch.uint8, device=dev)
+    lat = cuda_ms(torch, lambda: sdst.copy_(small, non_blocking=True), reps=50)
+    return {
+        "d2d_copy_GBps": 2 * n / d2d / 1e6,
+        "h2d_pinned_GBps": m / h2d / 1e6,
+        "d2h_pinned_GBps": m / d2h / 1e6,
+        "h2d_pageable_GBps": m / pg / 1e6,
+        "h2d_4KiB_latency_ms": lat,
+    }
+
+
+def staged_h2d(torch, stage_cls, pipeline, gib_pinned: float) -> dict:
+    """Host images staged through the pinned ring into the fused kernel, pipelined."""
+    from nicoffload.planner.plan import StagePlan
+
+    keep = {"norm"}
+    plan = StagePlan("s0-gpu", "gpu0", "gpu", ("resize", "crop", "norm"))
+    shapes = [(375, 500, 3)] * 128
+    nbytes = 128 * 375 * 500 * 3
+    with stage_cls(pipeline, plan, keep, slot_bytes=nbytes + (1 << 20)) as stage:
+        copies = []
+
+        def batches(k: int):
+            for _ in range(k):
+                hb = stage.host_batch(shapes)  # filled by a producer in a real run
+                yield {"decode": hb}
+
+        for _ in stage.stream(batches(4)):
+            pass
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        k = 24
+        for b in stage.stream(batches(k)):
+            copies.append(b)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        per_step = stage.step_ms_per_item()
+    # the copy alone, through the ring, for the DMA rate of staged slots
+    from nicoffload.devices.gpu import PinnedRing, device
+
+    gpu = device()
+    s = gpu.new_stream()
+    with PinnedRing(gpu, 3, nbytes) as ring:
+        ev = []
+        for _ in range(12):
+            slot = ring.take(nbytes)
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record(s)
+            ring.copy_in(slot, nbytes, s)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record(s)
+            ev.append((e0, e1))
+        torch.cuda.synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in ev[2:])
+    return {
+        "batch": "128 x 375x500x3 uint8 (72 MB) per batch",
+        "pipelined_h2d_GBps_wall": k * nbytes / wall / 1e9,
+        "staged_copy_GBps_events": nbytes / ms / 1e6,
+        "pinned_ceiling_GBps": gib_pinned,
+        "fused_ms_per_item": per_step,
+    }
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+
+def kernels(torch, ceil: dict) -> dict:
+    from nicoffload import ops
+    from nicoffload.graph import load_pipeline
+
+    pipeline = load_pipeline(RESNET)
+    out = {}
+    # normalize alone on a dense 256x224x224x3 batch (uint8 HWC -> fp16 CHW)
+    norm_node = pipeline.node("norm")
+    norm = ops.get_kernel("normalize", "gpu").build([norm_node], ())
+    x = torch.randint(0, 256, (256, 224, 224, 3), dtype=torch.uint8, device="cuda")
+    y = torch.empty((256, 3, 224, 224), dtype=torch.float16, device="cuda")
+    ms = cuda_ms(torch, lambda: norm(x, out=y), reps=50)
+    moved = x.numel() + y.numel() * 2
+    out["normalize_256x224x224x3_fp16_chw"] = {
+        "ms": ms,
+        "GBps": moved / ms / 1e6,
+        "fraction_of_d2d": moved / ms / 1e6 / ceil["d2d_copy_GBps"],
+    }
+    mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1)
+    std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1)
+
+    def torch_norm():
+        return ((x.permute(0, 3, 1, 2).float() / 255 - mean) / std).half()
+
+    out["normalize_torch_eager_ms"] = cuda_ms(torch, torch_norm, reps=20)
+    # the fused resize+crop+normalize on decoded-size batches (CHW planes, as nvJPEG writes)
+    nodes = [pipeline.node(n) for n in ("resize", "crop", "norm")]
+    fused = ops.get_kernel(("resize", "center_crop", "normalize"), "gpu").build(nodes, ())
+    for n, (h, w) in ((256, (375, 500)), (64, (720, 1280)), (64, (1080, 1920))):
+        planes = torch.randint(0, 256, (n, 3, h, w), dtype=torch.uint8, device="cuda")
+        views = [p.permute(1, 2, 0) for p in planes]
+        dst = torch.empty((n, 3, 224, 224), dtype=torch.float16, device="cuda")
+        ms = cuda_ms(torch, lambda v=views, d=dst: fused(v, out=d), reps=30)
+        rh, rw = 256, int(256 * w / h)
+        src_rows, src_cols = 224 * h / rh + 2 * max(h / rh, 1), 224 * w / rw + 2 * max(w / rw, 1)
+        window = n * min(src_rows, h) * min(src_cols, w) * 3
+        moved = window + dst.numel() * 2
+        out[f"fused_{n}x{h}x{w}"] = {
+            "ms": ms,
+            "ms_per_item": ms / n,
+            "GBps_effective": moved / ms / 1e6,
+            "fraction_of_d2d": moved / ms / 1e6 / ceil["d2d_copy_GBps"],
+        }
+    # the same on a dense 256x224x224x3 batch (resize 224 -> 256, crop 224)
+    xx = torch.randint(0, 256, (256, 224, 224, 3), dtype=torch.uint8, device="cuda")
+    ms = cuda_ms(torch, lambda: fused(xx, out=y), reps=50)
+    moved = xx.numel() + y.numel() * 2
+    out["fused_256x224x224x3"] = {
+        "ms": ms,
+        "GBps": moved / ms / 1e6,
+        "fraction_of_d2d": moved / ms / 1e6 / ceil["d2d_copy_GBps"],
+    }
+    return out
+
+
+# --- pipeline side by side --------------------------------------------------------------------
+
+
+def recipe_fn(torch, tvio):
+    """The usual recipe: batched nvJPEG, then per image interpolate(antialias), crop; normalize."""
+    import torch.nn.functional as F
+
+    from nicoffload.ops.crop import crop_box
+    from nicoffload.ops.resize import output_size
+
+    mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1)
+    std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1)
+    params = {"shorter": 256, "longer": None, "size": None}
+
+    def run(batch: list[bytes]):
+        imgs = tvio.decode_jpeg(
+            [torch.frombuffer(b, dtype=torch.uint8) for b in batch], device="cuda"
+        )
+        crops = torch.empty((len(imgs), 3, 224, 224), device="cuda")
+        for i, img in enumerate(imgs):
+            h, w = img.shape[1:]
+            rh, rw = output_size(params, h, w)
+            r = F.interpolate(
+                img[None].float(),
+                size=(rh, rw),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            )
+            top, left = crop_box(rh, rw, 224, 224)
+            crops[i] = r[0, :, top : top + 224, left : left + 224]
+        return ((crops / 255 - mean) / std).half()
+
+    return run
+
+
+def decode_only_fn(torch, tvio, pinned: bool):
+    buf = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) if pinned else None
+    bufnp = buf.numpy() if pinned else None
+
+    def run(batch: list[bytes]):
+        if pinned:
+            ts, o = [], 0
+            for b in batch:
+                n = len(b)
+                bufnp[o : o + n] = np.frombuffer(b, np.uint8)
+                ts.append(buf[o : o + n])
+                o += (n + 255) // 256 * 256
+        else:
+            ts = [torch.frombuffer(b, dtype=torch.uint8) for b in batch]
+        return tvio.decode_jpeg(ts, device="cuda")
+
+    return run
+
+
+def timed(torch, fn, batches, sync_each=True) -> tuple[float, float]:
+    """(images/s by wall clock, host CPU ms per image) over all batches, outputs consumed."""
+    n = sum(len(b) for b in batches)
+    torch.cuda.synchronize()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for b in batches:
+        fn(b)
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return n / wall, (time.process_time() - c0) * 1e3 / n
+
+
+def pipeline_side_by_side(torch, data: dict[str, list[bytes]], sizes, total: dict) -> dict:
+    import torchvision.io as tvio
+
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner.plan import StagePlan
+    from nicoffload.runtime.gpu_stage import GpuStage
+
+    pipeline = load_pipeline(RESNET)
+    plan = StagePlan("s0-gpu", "gpu0", "gpu", ("decode", "resize", "crop", "norm"))
+    stage = GpuStage(pipeline, plan, {"norm"}, workers=2)
+    stage1 = GpuStage(pipeline, plan, {"norm"}, workers=1)
+    res: dict = {}
+
+    def ours(st):
+        def run_all(batches):
+            for b in st.stream({"image": x} for x in batches):
+                b.wait()
+
+        return run_all
+
+    methods = {
+        "nvjpeg_decode_only": decode_only_fn(torch, tvio, False),
+        "nvjpeg_decode_only_pinned_input": decode_only_fn(torch, tvio, True),
+        "recipe_torchvision": recipe_fn(torch, tvio),
+        "ours_1worker": None,
+        "ours": None,
+    }
+    for name, items in data.items():
+        for bs in sizes:
+            n_batches = max(4, total[name] // bs)
+            batches = [
+                [items[(k * bs + j) % len(items)] for j in range(bs)] for k in range(n_batches)
+            ]
+            row: dict = {}
+            for order in (list(methods), list(reversed(methods))):
+                for m in order:
+                    if m.startswith("ours"):
+                        st = stage if m == "ours" else stage1
+                        run_all = ours(st)
+                        run_all(batches[:2])  # warm
+                        torch.cuda.synchronize()
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        run_all(batches)
+                        torch.cuda.synchronize()
+                        wall = time.perf_counter() - t0
+                        nimg = sum(len(b) for b in batches)
+                        ips, cpu = nimg / wall, (time.process_time() - c0) * 1e3 / nimg
+                    else:
+                        for b in batches[:2]:
+                            methods[m](b)
+                        ips, cpu = timed(torch, methods[m], batches)
+                    row.setdefault(m, []).append(
+                        {"images_per_s": ips, "host_cpu_ms_per_image": cpu}
+                    )
+            summary = {
+                m: {
+                    "images_per_s": max(r["images_per_s"] for r in runs),
+                    "runs": [round(r["images_per_s"], 1) for r in runs],
+                    "host_cpu_ms_per_image": min(r["host_cpu_ms_per_image"] for r in runs),
+                }
+                for m, runs in row.items()
+            }
+            base = summary["nvjpeg_decode_only"]["images_per_s"]
+            summary["ours_vs_decode_only"] = summary["ours"]["images_per_s"] / base
+            summary["ours_vs_recipe"] = (
+                summary["ours"]["images_per_s"] / summary["recipe_torchvision"]["images_per_s"]
+            )
+            res[f"{name}_batch{bs}"] = summary
+            print(
+                f"{name:>10} bs={bs:<4} "
+                + " ".join(f"{m}={summary[m]['images_per_s']:.0f}" for m in methods),
+                flush=True,
+            )
+    res["ours_step_ms_per_item"] = stage.step_ms_per_item()
+    res["decode_stats"] = vars(stage.steps[0].fn.stats)
+    return res
+
+
+# --- parity -----------------------------------------------------------------------------------
+
+
+def parity(torch, data: dict[str, list[bytes]]) -> dict:
+    from PIL import Image
+
+    from nicoffload import ops
+    from nicoffload.graph import load_pipeline
+
+    pipeline = load_pipeline(RESNET)
+    dec = ops.get_kernel("decode_image", "gpu").build([pipeline.node("decode")], ())
+    nodes = [pipeline.node(n) for n in ("resize", "crop")]
+    rc = ops.get_kernel(("resize", "center_crop"), "gpu").build(nodes, ())
+    out = {}
+    for name, items in data.items():
+        items = items[:48]
+        got = dec(items)
+        diffs, exact = [], 0
+        crops = rc(got).cpu().numpy()
+        for data_, t, c in zip(items, got, crops, strict=True):
+            with Image.open(io.BytesIO(data_)) as im:
+                want = np.asarray(im.convert("RGB"))
+            g = t.cpu().numpy()
+            diffs.append(float(np.abs(g.astype(np.int16) - want).mean()))
+            h, w = g.shape[:2]
+            rh, rw = (256, int(256 * w / h)) if h <= w else (int(256 * h / w), 256)
+            r = np.asarray(
+                Image.fromarray(np.ascontiguousarray(g)).resize((rw, rh), Image.BILINEAR)
+            )
+            top, left = round((rh - 224) / 2), round((rw - 224) / 2)
+            exact += bool((r[top : top + 224, left : left + 224] == c).all())
+        out[name] = {
+            "decode_mean_abs_diff_vs_pillow": {
+                "min": min(diffs),
+                "median": statistics.median(diffs),
+                "max": max(diffs),
+            },
+            "resize_crop_bit_exact_with_pillow": f"{exact}/{len(items)}",
+        }
+    return out
+
+
+# --- profile fit ------------------------------------------------------------------------------
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    x = np.array([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    if len(points) == 1:
+        return 0.0, float(y[0] / x[0])
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:  # keep the intercept physical
+        a, b = 0.0, float((x * y).sum() / (x * x).sum())
+    return float(a), float(b)
+
+
+def profile(
+    torch, ev: dict, ceil: dict, kern: dict, decode_points, fused_points, norm_points
+) -> dict:
+    kernels = {}
+    for key, pts, unit in (
+        ("decode_image", decode_points, "pixels"),
+        ("resize+center_crop+normalize", fused_points, "pixels"),
+        ("normalize", norm_points, "pixels"),
+    ):
+        a, b = fit(pts)
+        kernels[key] = {
+            "a_ms": a,
+            "b_ms": b,
+            "unit": unit,
+            "points": [[float(w), float(t)] for w, t in pts],
+        }
+    return {
+        "format": "nicoffload-profile",
+        "version": 1,
+        "kind": "gpu",
+        "machine": {
+            k: ev[k] for k in ("gpu", "nvidia_smi", "torch", "cuda", "torchvision", "cupy")
+        },
+        "date": ev["date_utc"][:10],
+        "method": (
+            "measured: bench/bench_gpu.py on the device, batch 256 (64 for large images); ms per "
+            "item is the batch's time divided by its items (the GPU works on a whole batch: give "
+            "the device capacity 1). decode_image: nvJPEG batched by wall clock; the fused "
+            "kernel and normalize: CUDA events; work = the chain's summed op work (pixels)."
+        ),
+        "kernels": kernels,
+        "links": {
+            "pcie": {
+                "latency_ms": ceil["h2d_4KiB_latency_ms"],
+                "bandwidth_bytes_per_s": ceil["h2d_pinned_GBps"] * 1e9,
+                "cpu_ns_per_byte": 0.0,
+            }
+        },
+    }
+
+
+def decode_points(torch, sizes) -> list[tuple[float, float]]:
+    """ms per item of nvJPEG batched decode at several image sizes: [(items, batch size)]."""
+    import torchvision.io as tvio
+
+    pts = []
+    for items, bs in sizes:
+        h, w = jpeg_size(items[0])
+        n = len(items)
+        fn = decode_only_fn(torch, tvio, False)
+        batches = [items[i : i + bs] for i in range(0, n, bs)]
+        fn(batches[0])
+        ips, _ = timed(torch, fn, batches * 4)
+        pts.append((float(w * h), 1e3 / ips))
+    return pts
+
+
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    from nicoffload.ops.gpu_image import jpeg_header
+
+    h, w, _, _ = jpeg_header(data)
+    return h, w
+
+
+def nvimgcodec_bench(torch, data: dict[str, list[bytes]], sizes) -> dict:
+    """nvImageCodec's batched decode alone, same data, same timing, if the wheel is there."""
+    try:
+        from nvidia import nvimgcodec
+    except Exception as exc:
+        return {"error": repr(exc)}
+    res: dict = {"version": getattr(nvimgcodec, "__version__", "?")}
+    try:
+        dec = nvimgcodec.Decoder(max_num_cpu_threads=8)
+        params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB)
+
+        def run(batch):
+            imgs = dec.decode(batch, params=params)
+            return [torch.as_tensor(im, device="cuda") for im in imgs]
+
+        for name, items in data.items():
+            for bs in sizes:
+                batches = [
+                    [items[(k * bs + j) % len(items)] for j in range(bs)]
+                    for k in range(max(4, (4096 if name == "imagenet" else 512) // bs))
+                ]
+                run(batches[0])
+                runs = [timed(torch, run, batches)[0] for _ in range(2)]
+                res[f"{name}_batch{bs}"] = {"images_per_s": max(runs), "runs": runs}
+                print("nvimgcodec", name, bs, runs, flush=True)
+        from PIL import Image
+
+        diffs = []
+        for d, t in zip(data["imagenet"][:32], run(data["imagenet"][:32]), strict=True):
+            with Image.open(io.BytesIO(d)) as im:
+                want = np.asarray(im.convert("RGB"))
+            diffs.append(float(np.abs(t.cpu().numpy().astype(np.int16) - want).mean()))
+        res["mean_abs_diff_vs_pillow_median"] = statistics.median(diffs)
+    except Exception as exc:
+        res["error"] = repr(exc)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--sections", default="ceilings,kernels,parity,pipeline,profile")
+    ap.add_argument("--sizes", default="64,128,256")
+    ap.add_argument("--images", type=int, default=4096)
+    args = ap.parse_args()
+    secs = set(args.sections.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    import nicoffload.ops.gpu_image  # noqa: F401  (until OP_MODULES lists it)
+    from nicoffload.graph import load_pipeline
+    from nicoffload.runtime.gpu_stage import GpuStage
+
+    doc: dict = {"env": env()}
+    print(json.dumps(doc["env"]), flush=True)
+
+    def save():
+        (out / "bench_gpu.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+    t = time.perf_counter()
+    data = {"imagenet": dataset(512, 500, 375), "1080p": dataset(96, 1920, 1080)}
+    extra = dataset(128, 1280, 720) if "profile" in secs else []
+    doc["data"] = {
+        k: {"images": len(v), "mean_bytes": float(np.mean([len(b) for b in v]))}
+        for k, v in data.items()
+    }
+    print("data", doc["data"], f"{time.perf_counter() - t:.1f}s", flush=True)
+    if "nvimgcodec" in secs:
+        doc["nvimgcodec"] = nvimgcodec_bench(torch, data, [int(s) for s in args.sizes.split(",")])
+        (out / "nvimgcodec.json").write_text(json.dumps(doc, indent=2) + "\n")
+        return
+    ceil = ceilings(torch)
+    doc["ceilings"] = ceil
+    print("ceilings", ceil, flush=True)
+    save()
+    if "kernels" in secs:
+        doc["kernels"] = kernels(torch, ceil)
+        print("kernels", json.dumps(doc["kernels"], indent=1), flush=True)
+        doc["staged_h2d"] = staged_h2d(
+            torch, GpuStage, load_pipeline(RESNET), ceil["h2d_pinned_GBps"]
+        )
+        print("staged", doc["staged_h2d"], flush=True)
+        save()
+    if "parity" in secs:
+        doc["parity"] = parity(torch, data)
+        print("parity", doc["parity"], flush=True)
+        save()
+    if "pipeline" in secs:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        doc["pipeline"] = pipeline_side_by_side(
+            torch, data, sizes, {"imagenet": args.images, "1080p": max(512, args.images // 8)}
+        )
+        save()
+    if "profile" in secs and "kernels" in secs:
+        dpts = decode_points(torch, [(data["imagenet"], 256), (extra, 128), (data["1080p"], 96)])
+        fused = []
+        for key, (_, h, w) in (
+            ("fused_256x375x500", (256, 375, 500)),
+            ("fused_64x720x1280", (64, 720, 1280)),
+            ("fused_64x1080x1920", (64, 1080, 1920)),
+        ):
+            rw = int(256 * w / h)
+            work = h * w + 256 * rw + 2 * 224 * 224
+            fused.append((float(work), doc["kernels"][key]["ms_per_item"]))
+        npt = [(224.0 * 224, doc["kernels"]["normalize_256x224x224x3_fp16_chw"]["ms"] / 256)]
+        prof = profile(torch, doc["env"], ceil, doc["kernels"], dpts, fused, npt)
+        (out / "h200.json").write_text(json.dumps(prof, indent=2) + "\n")
+        doc["profile_points"] = {"decode": dpts, "fused": fused, "normalize": npt}
+        save()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
