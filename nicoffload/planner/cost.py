@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
-from nicoffload.planner.plan import device_kind
 from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
@@ -185,23 +184,41 @@ def fusion_windows(pipeline: Pipeline, chains: Iterable[tuple[str, ...]]) -> lis
 # -- building ----------------------------------------------------------------------------------
 
 
-def _route_arrays(topology: Topology, resources: list[str]):
+@dataclass(frozen=True)
+class Routes:
+    """The resources of a topology (devices, then directed hops) and what each route loads."""
+
+    resources: tuple[str, ...]
+    divisor: np.ndarray  # (R,) a device's parallel capacity; 1 for a link
+    load: np.ndarray  # (D, D, R) per byte sent s -> d: link ms, and endpoint CPU core-ms
+    ms: np.ndarray  # (D, D) latency of the route
+    ms_per_byte: np.ndarray  # (D, D)
+
+
+def routes(topology: Topology) -> Routes:
     ids = topology.ids
+    paths = {(a, b): topology.route(a, b) for a in ids for b in ids}
+    hops = sorted(
+        {h.name for path in paths.values() for h in path},
+        key=lambda name: tuple(ids.index(e) for e in name.split("->")),
+    )
+    resources = (*ids, *hops)
     D, R = len(ids), len(resources)
     load = np.zeros((D, D, R))
     ms = np.zeros((D, D))
     per_byte = np.zeros((D, D))
-    for s, a in enumerate(ids):
-        for t, b in enumerate(ids):
-            for hop in topology.route(a, b):
-                link = hop.link
-                ms[s, t] += link.latency_ms
-                per_byte[s, t] += 1e3 / link.bandwidth
-                load[s, t, resources.index(hop.name)] += 1e3 / link.bandwidth
-                for end in (hop.src, hop.dst):
-                    if device_kind(end) != "gpu":
-                        load[s, t, ids.index(end)] += link.cpu_ns_per_byte * 1e-6
-    return load, ms, per_byte
+    for (a, b), path in paths.items():
+        s, t = ids.index(a), ids.index(b)
+        for hop in path:
+            link = hop.link
+            ms[s, t] += link.latency_ms
+            per_byte[s, t] += 1e3 / link.bandwidth
+            load[s, t, resources.index(hop.name)] += 1e3 / link.bandwidth
+            for end in (hop.src, hop.dst):
+                if topology.device(end).kind != "gpu":
+                    load[s, t, ids.index(end)] += link.cpu_ns_per_byte * 1e-6
+    divisor = np.array([d.capacity for d in topology.devices] + [1.0] * len(hops))
+    return Routes(resources, divisor, load, ms, per_byte)
 
 
 def build_model(
@@ -213,12 +230,7 @@ def build_model(
     """Reduce the planning problem to arrays. `profiles` maps device id -> its Profile."""
     ids = topology.ids
     D = len(ids)
-    hops = sorted(
-        {h.name for a in ids for b in ids for h in topology.route(a, b)},
-        key=lambda name: (ids.index(name.split("->")[0]), ids.index(name.split("->")[1])),
-    )
-    resources = [*ids, *hops]
-    divisor = np.array([topology.device(i).capacity for i in ids] + [1.0] * len(hops))
+    rt = routes(topology)
     work_by_name = effective_work(pipeline)
     names = [n.name for n in pipeline.nodes]
     work = np.array([work_by_name[n] for n in names])
@@ -276,20 +288,19 @@ def build_model(
         ins, outs = specs[node.name]
         nbytes = sum(s.typical_nbytes for s in ins) + sum(s.typical_nbytes for s in outs.values())
         mem[v] = nbytes * pipeline.batch_max_size * BUFFER_SLOTS
-    route_load, route_ms, per_byte = _route_arrays(topology, resources)
     return CostModel(
         nodes=tuple(names),
         devices=ids,
-        resources=tuple(resources),
-        divisor=divisor,
+        resources=rt.resources,
+        divisor=rt.divisor,
         cost=cost,
         why_not=why,
         work=work,
         groups=tuple(groups),
         refs=tuple(refs),
-        route_load=route_load,
-        route_ms=route_ms,
-        route_ms_per_byte=per_byte,
+        route_load=rt.load,
+        route_ms=rt.ms,
+        route_ms_per_byte=rt.ms_per_byte,
         mem=mem,
         mem_cap=np.array([float(d.memory) if d.memory else np.inf for d in topology.devices]),
         host=np.array([d.kind == "cpu" for d in topology.devices]),

@@ -114,7 +114,7 @@ def _merge_fused(
                 "device": model.devices[d],
                 "ms": round(sum(steps[i]["ms"] for i in at), 6),
             }
-            steps = [*steps[:at[0]], merged, *steps[at[-1] + 1:]]
+            steps = [*steps[: at[0]], merged, *steps[at[-1] + 1 :]]
     return steps
 
 

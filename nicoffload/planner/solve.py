@@ -317,7 +317,9 @@ def make_plan(
         objective=goal.objective,
         predicted=Predicted(
             latency_ms=round(float(m.latency[0]), 6),
-            throughput_per_s=round(1e3 / float(m.bottleneck[0]), 3) if m.bottleneck[0] > 0 else 1e12,
+            throughput_per_s=round(1e3 / float(m.bottleneck[0]), 3)
+            if m.bottleneck[0] > 0
+            else 1e12,
             host_cpu_ms_per_item=round(float(m.host[0]), 6),
         ),
         topology=topology.name,

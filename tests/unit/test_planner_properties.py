@@ -1,0 +1,190 @@
+"""The solvers are exact: on random DAGs (up to 8 nodes) over random topologies (up to 4
+devices) with random costs, their objective equals brute force for every objective, and no
+placement they return breaks a pin (an allowed-device restriction) or a memory limit."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from nicoffload.planner.cost import CostModel, Group, TensorRef, routes
+from nicoffload.planner.dp import is_chain, solve_chain
+from nicoffload.planner.evaluate import OBJECTIVES, Goal, brute_force, evaluate
+from nicoffload.planner.milp import solve_milp
+from nicoffload.planner.solve import solve
+from nicoffload.topology import Device, Link, Topology
+
+SETTINGS = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+def random_topology(rng: np.random.Generator) -> Topology:
+    n = int(rng.choice([1, 2, 3, 3, 4, 4, 4]))
+    kinds = ["cpu", *rng.choice(["cpu", "dpu", "gpu"], n - 1)]
+    devices = tuple(
+        Device(f"{k}{i}", str(k), 1, float(rng.integers(1, 17))) for i, k in enumerate(kinds)
+    )
+    pairs = {(int(rng.integers(0, i)), i) for i in range(1, n)}  # a spanning tree
+    if n > 2 and rng.random() < 0.5:
+        pairs.add((0, n - 1))  # and maybe a shortcut: routes then choose
+    links = tuple(
+        Link(
+            devices[a].id,
+            devices[b].id,
+            str(rng.choice(["tcp", "shm", "rdma", "pcie"])),
+            float(10 ** rng.uniform(8, 11)),
+            float(rng.uniform(0, 0.2)),
+            float(rng.choice([0.0, 0.0, 0.1, 0.5])),
+        )
+        for a, b in sorted(pairs)
+    )
+    ids = [d.id for d in devices]
+    return Topology("random", devices, links, str(rng.choice(ids)), str(rng.choice(ids)))
+
+
+def random_model(seed: int, chain: bool | None = None) -> CostModel:
+    """A random DAG (or chain) of up to 8 nodes on a random topology, with random profiles."""
+    rng = np.random.default_rng(seed)
+    topo = random_topology(rng)
+    rt = routes(topo)
+    D, n = len(topo.devices), int(rng.integers(1, 9))
+    chain = bool(rng.random() < 0.5) if chain is None else chain
+    preds = [
+        [v - 1] if chain else sorted(set(rng.integers(-1, v, int(rng.integers(1, 3))).tolist()))
+        for v in range(n)
+    ]  # -1: the pipeline input
+    consumers = {u: tuple(v for v in range(n) if u in preds[v]) for u in range(-1, n)}
+    refs = [TensorRef("in", -1, consumers[-1], False, float(10 ** rng.uniform(3, 6)))]
+    for u in range(n):
+        out = not consumers[u] or rng.random() < 0.15
+        refs.append(TensorRef(f"n{u}", u, consumers[u], out, float(10 ** rng.uniform(3, 6))))
+    cost = rng.uniform(0.01, 5.0, (n, D)) * rng.uniform(0.2, 5.0, D)  # faster, slower devices
+    allowed = rng.random((n, D)) < 0.8  # kernels that exist, pins
+    allowed[np.arange(n), rng.integers(0, D, n)] = True
+    groups, v = [], 0
+    while v < n - 1:
+        fusable = consumers[v] == (v + 1,) and preds[v + 1] == [v] and not refs[v + 1].output
+        if fusable and rng.random() < 0.5:
+            delta = np.where(rng.random(D) < 0.3, np.nan, rng.uniform(-0.5, 0.2, D))
+            groups.append(Group((v, v + 1), "a+b", delta))
+            v += 1
+        v += 1
+    mem = rng.uniform(1.0, 10.0, n)
+    mem_cap = rng.choice([np.inf, np.inf, 0.4, 0.7, 0.9], D) * mem.sum()
+    return CostModel(
+        nodes=tuple(f"n{v}" for v in range(n)),
+        devices=topo.ids,
+        resources=rt.resources,
+        divisor=rt.divisor,
+        cost=np.where(allowed, cost, np.inf),
+        why_not={},
+        work=np.ones(n),
+        groups=tuple(groups),
+        refs=tuple(refs),
+        route_load=rt.load,
+        route_ms=rt.ms,
+        route_ms_per_byte=rt.ms_per_byte,
+        mem=mem,
+        mem_cap=mem_cap,
+        host=np.array([d.kind == "cpu" for d in topo.devices]),
+        ingress=topo.ids.index(topo.ingress),
+        egress=topo.ids.index(topo.egress),
+    )
+
+
+def random_goal(model: CostModel, seed: int) -> Goal:
+    """An objective and, half the time, a throughput floor and a latency SLO near what is possible."""
+    rng = np.random.default_rng(seed + 1)
+    objective = str(rng.choice(OBJECTIVES))
+    free = brute_force(model, Goal("latency"))
+    if free is None or rng.random() < 0.5:
+        return Goal(objective)
+    m = free[1]
+    floor = 1e3 / (float(m.bottleneck[0]) * rng.uniform(0.7, 2.0))
+    slo = float(m.latency[0]) * rng.uniform(0.9, 2.0)
+    return Goal(objective, floor if rng.random() < 0.5 else None, slo)
+
+
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+def _primary(model: CostModel, goal: Goal, placement: np.ndarray) -> float:
+    return float(evaluate(model, placement[None, :]).keys(goal.objective)[0][0])
+
+
+def _check_valid(model: CostModel, goal: Goal, placement: np.ndarray) -> None:
+    m = evaluate(model, placement[None, :])
+    assert model.allowed[np.arange(model.n), placement].all(), "a pin or kernel was ignored"
+    assert np.all(m.memory[0] <= model.mem_cap), "a memory limit was broken"
+    assert m.feasible(goal)[0], "the SLO or the throughput floor was broken"
+
+
+def _agrees_with_brute_force(model: CostModel, goal: Goal, placement: np.ndarray | None) -> None:
+    truth = brute_force(model, goal)
+    if truth is None:
+        assert placement is None
+        return
+    best = _primary(model, goal, truth[0])
+    assume(_not_on_a_boundary(model, goal, truth[0]))
+    assert placement is not None
+    _check_valid(model, goal, placement)
+    assert _primary(model, goal, placement) == pytest.approx(best, rel=1e-6, abs=1e-9)
+
+
+def _not_on_a_boundary(model: CostModel, goal: Goal, placement: np.ndarray) -> bool:
+    """Solver tolerances may decide differently when a constraint is met to within 1e-6."""
+    m = evaluate(model, placement[None, :])
+    near = lambda x, cap: np.isfinite(cap) and abs(x - cap) <= 1e-6 * cap  # noqa: E731
+    return not (near(m.bottleneck[0], goal.max_load_ms) or near(m.latency[0], goal.latency_cap))
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_planner_matches_brute_force_on_random_dags(seed: int) -> None:
+    model = random_model(seed)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve(model, goal))
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_chain_dp_matches_brute_force(seed: int) -> None:
+    model = random_model(seed, chain=True)
+    assert is_chain(model)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_chain(model, goal))
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_milp_matches_brute_force(seed: int) -> None:
+    model = random_model(seed)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(SEEDS)
+def test_the_milp_runner_up_is_the_second_best_placement(seed: int) -> None:
+    model = random_model(seed)
+    goal = Goal(str(np.random.default_rng(seed).choice(OBJECTIVES)))
+    best = solve_milp(model, goal).placement
+    assume(best is not None)
+    second = solve_milp(model, goal, exclude=best).placement
+    allowed = [np.flatnonzero(model.allowed[v]) for v in range(model.n)]
+    others = np.array(list(itertools.product(*allowed)))
+    others = others[~np.all(others == best, axis=1)]
+    m = evaluate(model, others)
+    ok = m.feasible(goal) if len(others) else np.zeros(0, bool)
+    if not ok.any():
+        assert second is None
+        return
+    assert second is not None and not np.array_equal(second, best)
+    assert _primary(model, goal, second) == pytest.approx(
+        m.keys(goal.objective)[0][ok].min(), rel=1e-6, abs=1e-9
+    )
