@@ -217,9 +217,8 @@ def plan_for(
             f"unknown objective '{objective}' (expected one of: {', '.join(OBJECTIVES)})"
         )
     topo = resolve_topology(topology)
-    model = build_model(
-        pipeline, topo, resolve_profiles(topo, profile), catalog or Catalog.from_registry()
-    )
+    profiles = resolve_profiles(topo, profile)
+    model = build_model(pipeline, topo, profiles, catalog or Catalog.from_registry())
     cli = min_throughput_per_s is not None or max_latency_ms is not None
     goal = Goal(
         objective,
@@ -230,13 +229,24 @@ def plan_for(
     best = solve(model, goal, allowed)
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    plan = make_plan(pipeline, topo, model, goal, best)
+    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=profile_notes(profiles))
     if explain:
         from nicoffload.planner.explain import explanation
 
         second = runner_up(model, goal, best, allowed)
         plan = replace(plan, explain=explanation(model, topo, goal, best, second))
     return plan
+
+
+def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
+    """Which profile priced each device, and whether it was measured or is an estimate."""
+    notes = []
+    for dev, p in profiles.items():
+        how = p.method.split(":", 1)[0] or "unknown method"
+        notes.append(
+            f"{dev}: profile {Path(p.source).name} ({how}{', ' + p.date if p.date else ''})"
+        )
+    return tuple(notes)
 
 
 def _route_text(topology: Topology, src: str, dst: str) -> tuple[str, str | None]:

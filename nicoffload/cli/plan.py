@@ -1,0 +1,186 @@
+"""`nicoffload plan`: place a pipeline on a topology and explain the choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from nicoffload.cli import app, emit_json, handle_errors
+from nicoffload.planner.plan import Plan
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1e3:,.0f} KB"
+
+
+def render(plan: Plan) -> list[Any]:
+    """The plan as rich renderables: placement, latency breakdown, loads, runner-up."""
+    from rich.table import Table
+    from rich.text import Text
+
+    ex, pred = plan.explain, plan.predicted
+    out: list[Any] = []
+    head = f"pipeline '{plan.pipeline}' on topology '{plan.topology}', objective {plan.objective}"
+    limits = {k: v for k, v in ex.get("constraints", {}).items() if v is not None}
+    if limits:
+        head += " (" + ", ".join(f"{k}={v:g}" for k, v in limits.items()) + ")"
+    out.append(Text(head, style="bold"))
+    nodes = Table(
+        title="placement (core-ms per item on each device; * chosen)", title_justify="left"
+    )
+    devices = list(next(iter(ex["nodes"].values()))["core_ms_by_device"]) if ex.get("nodes") else []
+    nodes.add_column("node")
+    for d in devices:
+        nodes.add_column(d, justify="right")
+    for name, info in ex.get("nodes", {}).items():
+        cells = []
+        for d in devices:
+            v = info["core_ms_by_device"][d]
+            cell = "-" if isinstance(v, str) else f"{v:.4f}"
+            cells.append(f"*{cell}" if d == info["device"] else cell)
+        nodes.add_row(name, *cells)
+    out.append(nodes)
+    flow = Table(title="per item: stages and transfers (predicted ms)", title_justify="left")
+    for col in ("step", "where", "transport", "bytes", "ms/item"):
+        flow.add_column(col, justify="right" if col in ("bytes", "ms/item") else "left")
+    io_in = [t for t in plan.io_transfers if t.src_stage == "ingress"]
+    io_out = [t for t in plan.io_transfers if t.dst_stage == "egress"]
+    for t in io_in:
+        flow.add_row(
+            f"in {t.tensor}",
+            t.link or "",
+            t.transport,
+            _kb(t.bytes_per_item),
+            _ms(t.predicted_ms_per_item),
+        )
+    for s in plan.stages:
+        flow.add_row(
+            f"{s.name} [{' '.join(s.nodes)}]", s.device, "", "", _ms(s.predicted_ms_per_item)
+        )
+        for t in plan.transfers:
+            if t.src_stage == s.name:
+                flow.add_row(
+                    f"  {t.tensor} -> {t.dst_stage}",
+                    t.link or "",
+                    t.transport,
+                    _kb(t.bytes_per_item),
+                    _ms(t.predicted_ms_per_item),
+                )
+    for t in io_out:
+        flow.add_row(
+            f"out {t.tensor}",
+            t.link or "",
+            t.transport,
+            _kb(t.bytes_per_item),
+            _ms(t.predicted_ms_per_item),
+        )
+    out.append(flow)
+    loads = Table(
+        title="load per item (the busiest resource bounds throughput)", title_justify="left"
+    )
+    for col in ("resource", "work", "capacity", "ms/item", ""):
+        loads.add_column(col, justify="left" if col == "resource" else "right")
+    top = ex.get("bottleneck", {}).get("resource")
+    for r in [*ex.get("devices", {}).values(), *ex.get("links", {}).values()]:
+        if r["kind"] == "device":
+            work, cap = f"{r['work_core_ms_per_item']:.4f} core-ms", f"{r['capacity']:g} workers"
+        else:
+            work, cap = _kb(r["bytes_per_item"]), f"{r['bandwidth_gbps']:g} Gb/s"
+        loads.add_row(
+            r["resource"],
+            work,
+            cap,
+            _ms(r["load_ms_per_item"]),
+            "bottleneck" if r["resource"] == top else "",
+        )
+    out.append(loads)
+    if pred:
+        out.append(
+            Text(
+                f"predicted: {pred.throughput_per_s:,.0f} items/s, latency {pred.latency_ms:.3f} ms, "
+                f"host CPU {pred.host_cpu_ms_per_item:.4f} ms/item",
+                style="bold",
+            )
+        )
+    ru = ex.get("runner_up")
+    if ru:
+        moved = ", ".join(f"{n} {a}->{b}" for n, (a, b) in ru["differs"].items())
+        p = ru["predicted"]
+        out.append(
+            Text(
+                f"runner-up ({moved}): {p['throughput_per_s']:,.0f} items/s, latency {p['latency_ms']:.3f} ms, "
+                f"host CPU {p['host_cpu_ms_per_item']:.4f} ms/item\n  lost on {ru['lost_on']} ({ru['reason']}): {ru['why']}"
+            )
+        )
+    elif ex:
+        out.append(Text("runner-up: none (no other placement is feasible)"))
+    for note in plan.notes:
+        out.append(Text(f"note: {note}", style="dim"))
+    return out
+
+
+@app.command()
+@handle_errors
+def plan(
+    pipeline: Path = typer.Argument(..., help="the pipeline YAML file"),
+    topology: Path | None = typer.Option(
+        None, "--topology", help="a topology YAML file (default: this machine)"
+    ),
+    profile: list[Path] | None = typer.Option(
+        None, "--profile", help="a profile JSON for the devices of its kind (repeatable)"
+    ),
+    objective: str = typer.Option(
+        "throughput", "--objective", help="throughput | latency | host-cpu"
+    ),
+    min_throughput: float | None = typer.Option(
+        None, "--min-throughput", help="throughput floor, items/s"
+    ),
+    max_latency_ms: float | None = typer.Option(
+        None, "--max-latency-ms", help="latency SLO per item, ms"
+    ),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="write the plan here (for `run --plan`)"
+    ),
+    json_out: bool = typer.Option(
+        False, "--json", help="print the plan and its explanation as JSON"
+    ),
+) -> None:
+    """Place every node on a device (exact: DP for chains, MILP for DAGs) and explain why."""
+    from nicoffload.errors import PlanError
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner import OBJECTIVES, plan_for
+
+    if objective not in OBJECTIVES:
+        raise PlanError(f"--objective must be one of {', '.join(OBJECTIVES)}, got '{objective}'")
+    for flag, value in (("--min-throughput", min_throughput), ("--max-latency-ms", max_latency_ms)):
+        if value is not None and value <= 0:
+            raise PlanError(f"{flag} must be a positive number, got {value:g}")
+    the_plan = plan_for(
+        load_pipeline(pipeline),
+        topology,
+        profile or None,
+        objective,
+        min_throughput_per_s=min_throughput,
+        max_latency_ms=max_latency_ms,
+        explain=True,
+    )
+    if output is not None:
+        the_plan.save(output)
+    if json_out:
+        emit_json(the_plan.to_json())
+        return
+    import sys
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    for part in render(the_plan):
+        console.print(part)
+    if output is not None:
+        typer.echo(f"plan written to {output}", err=True)
