@@ -2,12 +2,15 @@
 
 Bilinear with antialias semantics of PIL and torchvision's `antialias=True` (the triangle filter
 widened by the scale factor when shrinking). The output size follows torchvision's `Resize`.
+The CPU/DPU kernel (numba, Pillow's exact fixed-point arithmetic) is below the semantics.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from nicoffload.graph import Dim, TensorSpec
-from nicoffload.ops import Param, ParamError, WiringError, op
+from nicoffload.ops import Param, ParamError, WiringError, kernel, op
 
 
 def output_size(params: dict, h: int, w: int) -> tuple[int, int]:
@@ -61,3 +64,33 @@ def resize(params, in_specs):
     else:
         shape = (oh, ow, src.shape[2])
     return {"out": TensorSpec("uint8", shape, layout="hwc")}
+
+
+@kernel("resize", "cpu")
+def resize_cpu(nodes, consumers):
+    """Pillow-exact separable resampling in numba; coefficient tables cached per size pair."""
+    from nicoffload.ops._imgkern import Scratch, contiguous_out, resample_window, warm_inputs
+
+    (node,) = nodes
+    params = node.params
+    antialias = params["antialias"]
+    scratch = Scratch()
+
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        h, w, c = x.shape
+        oh, ow = output_size(params, h, w)
+        if out is None:
+            out = scratch.get("out", (oh, ow, c))
+        resample_window(x, (oh, ow), (0, oh, 0, ow), antialias, scratch, out)
+        return out
+
+    fn = contiguous_out(fn)
+    for x in warm_inputs():
+        fn(x)
+    return fn
+
+
+@kernel("resize", "dpu")
+def resize_dpu(nodes, consumers):
+    """The same numba kernel on the DPU's Arm cores."""
+    return resize_cpu(nodes, consumers)
