@@ -1,0 +1,147 @@
+"""`nicoffload plan`: the table, --json in the DESIGN.md shape, --output, and exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nicoffload.cli import build_app
+from nicoffload.planner import cost
+from nicoffload.planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+RESNET = str(ROOT / "pipelines" / "resnet50.yaml")
+TOPOLOGIES = ROOT / "pipelines" / "topologies"
+
+
+@pytest.fixture(autouse=True)
+def x86_and_arm_kernels_only(monkeypatch):
+    """Plan with the kernels that exist for host and DPU cores; GPU kernels stay out, so these
+    tests speak about the DPU/host split whatever the GPU registry holds."""
+    real = cost.Catalog.from_registry
+
+    def cpu_and_dpu() -> cost.Catalog:
+        cat = real()
+        single = {op: kinds - {"gpu"} for op, kinds in cat.single.items()}
+        return cost.Catalog(single, {k: v for k, v in cat.fused.items() if k != "gpu"})
+
+    if not real().kinds("decode_image") >= {"cpu", "dpu"}:
+        pytest.skip("the image kernels for cpu and dpu are not registered")
+    monkeypatch.setattr(cost.Catalog, "from_registry", staticmethod(cpu_and_dpu))
+
+
+def _plan(*args: str) -> dict:
+    result = CliRunner().invoke(build_app(), ["plan", RESNET, *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_json_has_the_design_shape() -> None:
+    doc = _plan("--topology", str(TOPOLOGIES / "bluefield3-h100.yaml"))
+    assert set(doc["placement"]) == {"decode", "resize", "crop", "norm"}
+    assert set(doc["predicted"]) == {"latency_ms", "throughput_per_s", "host_cpu_ms_per_item"}
+    assert doc["stages"] and all("predicted_ms_per_item" in s for s in doc["stages"])
+    assert "transfers" in doc and "io_transfers" in doc
+    ex = doc["explain"]
+    assert {"bottleneck", "devices", "links", "latency_path", "runner_up"} <= set(ex)
+    assert ex["runner_up"]["why"] and ex["runner_up"]["lost_on"] in ("throughput", "latency")
+
+
+def test_the_edge_box_and_the_bluefield3_server_place_resnet_differently_for_a_reason(
+    tmp_path: Path,
+) -> None:
+    edge = _plan("--topology", str(TOPOLOGIES / "edge-25g.yaml"))
+    bf3 = _plan("--topology", str(TOPOLOGIES / "bluefield3-h100.yaml"))
+    assert edge["placement"] != bf3["placement"]
+    # On the BlueField-3 server the limit is device time: the link is nowhere near busy.
+    assert bf3["explain"]["bottleneck"]["kind"] == "device"
+    assert bf3["explain"]["runner_up"]["reason"] == "device time"
+    assert all(
+        link["load_ms_per_item"] < bf3["explain"]["bottleneck"]["load_ms_per_item"] / 4
+        for link in bf3["explain"]["links"].values()
+    )
+    # On the edge box the alternative that offloads to the gateway loses on link bytes.
+    ru = edge["explain"]["runner_up"]
+    assert ru["reason"] == "link bytes"
+    assert ru["binding"]["bandwidth_gbps"] == 25
+    edge_link = edge["explain"]["links"]["dpu0->cpu"]["bytes_per_item"]
+    assert edge_link < ru["binding"]["bytes_per_item"]
+    # And the link is the reason: with a 400 Gb/s link the same box offloads to the gateway,
+    # moving more bytes per item than the 25 Gb/s link carries at the edge plan's rate.
+    fat = (
+        (TOPOLOGIES / "edge-25g.yaml")
+        .read_text()
+        .replace("bandwidth: 25Gb/s", "bandwidth: 400Gb/s")
+    )
+    (tmp_path / "fat.yaml").write_text(fat)
+    offload = _plan("--topology", str(tmp_path / "fat.yaml"))
+    assert offload["placement"] != edge["placement"]
+    busiest = max(
+        link["bytes_per_item"]
+        for link in offload["explain"]["links"].values()
+        if "dpu0" in link["resource"]
+    )
+    assert busiest * 8 / 25e9 * 1e3 > edge["explain"]["bottleneck"]["load_ms_per_item"]
+
+
+def test_plan_prints_placement_breakdown_loads_and_the_runner_up() -> None:
+    result = CliRunner().invoke(
+        build_app(), ["plan", RESNET, "--topology", str(TOPOLOGIES / "edge-25g.yaml")]
+    )
+    assert result.exit_code == 0, result.output
+    for part in (
+        "placement",
+        "stages and transfers",
+        "load per item",
+        "bottleneck",
+        "predicted:",
+        "runner-up",
+        "lost on throughput (link bytes)",
+        "estimate",
+    ):
+        assert part in result.stdout, part
+
+
+def test_plan_output_is_a_plan_that_run_can_load(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(
+        build_app(),
+        ["plan", RESNET, "--topology", str(TOPOLOGIES / "host-only.yaml"), "--output", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert Plan.load(out).placement == {
+        "decode": "cpu",
+        "resize": "cpu",
+        "crop": "cpu",
+        "norm": "cpu",
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--objective", "cheapest"], "--objective must be one of throughput, latency, host-cpu"),
+        (
+            ["--max-latency-ms", "0.05"],
+            "no placement meets the latency SLO of 0.05 ms (--max-latency-ms)",
+        ),
+        (["--min-throughput", "-3"], "--min-throughput must be a positive number"),
+    ],
+)
+def test_a_wrong_request_exits_2_with_one_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(
+        build_app(), ["plan", RESNET, "--topology", str(TOPOLOGIES / "host-only.yaml"), *args]
+    )
+    assert result.exit_code == 2
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_a_bad_topology_file_exits_2_at_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "t.yaml"
+    bad.write_text("devices:\n  cpu: {kind: cpu, cores: many}\n")
+    result = CliRunner().invoke(build_app(), ["plan", RESNET, "--topology", str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}:2:27: device 'cpu': 'cores' must be a positive integer" in result.stderr
