@@ -123,13 +123,32 @@ def scaling_rule(params: dict, consumers) -> list[dict] | None:
     return [c.params for c in consumers]
 
 
-def _error_reason(message: str, data) -> str:
-    tail = bytes(data[-64:]) if len(data) else b""
-    if "Premature end" in message or "truncated" in message:
-        return "truncated"
-    if "subsampling level" in message and b"\xff\xd9" not in tail:
-        return "truncated"  # turbojpeg's words for a header cut short
-    return "corrupt"
+def _error_reason(message: str) -> str:
+    """libjpeg's and Pillow's words for data that stops early, else corrupt."""
+    low = message.lower()
+    return "truncated" if "premature end of jpeg file" in low or "truncated" in low else "corrupt"
+
+
+def _header_reason(data) -> str:
+    """Why a JPEG header failed to parse: 'truncated' when its markers are well formed up to
+    where the data ends (turbojpeg only says it "could not determine subsampling"), else corrupt."""
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return "corrupt"
+        marker = int(data[i + 1])
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            i += 2
+        elif marker == 0xDA:  # the whole header was there: something in it is wrong
+            return "corrupt"
+        else:
+            length = (int(data[i + 2]) << 8) | int(data[i + 3])
+            if length < 2:
+                return "corrupt"
+            i += 2 + length
+    return "truncated"
 
 
 def _unknown(data) -> ItemError:
@@ -162,7 +181,7 @@ def _decode_png(data, color: str, max_pixels: int) -> np.ndarray:
     except Image.DecompressionBombError as exc:
         raise ItemError("too_large", str(exc)) from None
     except (OSError, SyntaxError, ValueError) as exc:
-        raise ItemError(_error_reason(str(exc), data), f"png: {exc}") from None
+        raise ItemError(_error_reason(str(exc)), f"png: {exc}") from None
     return px if px.ndim == 3 else px[..., None]
 
 
@@ -201,7 +220,7 @@ def decode_image_cpu(nodes, consumers):
         try:
             h, w, space, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError as exc:
-            raise ItemError(_error_reason(str(exc), data), f"jpeg header: {exc}") from None
+            raise ItemError(_header_reason(data), f"jpeg header: {exc}") from None
         if h * w > max_pixels:
             raise ItemError("too_large", f"{w}x{h} pixels is more than max_pixels={max_pixels}")
         m = 8
@@ -227,7 +246,7 @@ def decode_image_cpu(nodes, consumers):
                 strict=True,
             )
         except ValueError as exc:
-            raise ItemError(_error_reason(str(exc), data), f"jpeg: {exc}") from None
+            raise ItemError(_error_reason(str(exc)), f"jpeg: {exc}") from None
         if cmyk:
             rgb = scratch.get("out", (sh, sw, channels))
             cmyk_convert(px, rgb)
