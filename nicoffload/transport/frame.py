@@ -88,6 +88,9 @@ class Flag(IntFlag):
     OUT_OF_BAND = 0x1  # the payload was written into the receiver's slot; it does not follow
 
 
+OUT_OF_BAND = int(Flag.OUT_OF_BAND)  # as a plain int: IntFlag arithmetic is slow per batch
+
+
 class DType(IntEnum):
     """Element type code of a tensor; NONE means raw bytes. Payloads are little-endian."""
 
@@ -292,6 +295,22 @@ def _check_prefix(magic: int, version: int, meta_len: int) -> None:
         raise _bad("version", f"{version}, this side speaks version {VERSION}")
     if meta_len > MAX_META:
         raise _bad("meta_len", f"{meta_len} exceeds the limit of {MAX_META}")
+
+
+# slot and request_id sit side by side: a sender restamps them into a cached frame head
+_SLOT_REQUEST = struct.Struct("!HQ")
+assert FIELD_OFFSETS["request_id"] == FIELD_OFFSETS["slot"] + 2
+
+
+def restamp(head: bytes, slot: int, request_id: int) -> bytearray:
+    """A packed header + metadata with another slot and request_id and the checksum redone:
+    per batch, cheaper than packing anew when a sender's batches all look alike."""
+    out = bytearray(head)
+    _SLOT_REQUEST.pack_into(out, FIELD_OFFSETS["slot"], slot, request_id)
+    view = memoryview(out)
+    crc = zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:CHECKED_SIZE]))
+    out[CHECKED_SIZE:HEADER_SIZE] = crc.to_bytes(4, "big")
+    return out
 
 
 # --- metadata ---------------------------------------------------------------------------------

@@ -11,18 +11,9 @@ from typing import Any
 import numpy as np
 
 from nicoffload.errors import TransportError
-from nicoffload.transport.base import (
-    Delivery,
-    Inbox,
-    Receiver,
-    Sender,
-    Tensors,
-    lay_out,
-    open_delivery,
-    slot_view,
-    stride,
-)
-from nicoffload.transport.frame import HEADER_SIZE, Flag, Header
+from nicoffload.transport.base import Receiver, Sender
+from nicoffload.transport.frame import HEADER_SIZE, OUT_OF_BAND, Header
+from nicoffload.transport.slots import Delivery, Inbox, Packer, Tensors, Unpacker, slot_view, stride
 
 # The in-process namespace of listening receivers, as the kernel has one for sockets.
 _LISTENING: dict[str, InprocReceiver] = {}
@@ -33,6 +24,7 @@ class InprocReceiver(Receiver):
     def __init__(self, address: str, slots: int, slot_bytes: int) -> None:
         self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
         self.ring = np.empty(slots * stride(slot_bytes), np.uint8)
+        self.unpack = Unpacker(self.ring, slot_bytes)
         self.inbox = Inbox(f"receiver at {address}")
         self.cond = threading.Condition()
         self.free = list(range(slots))[::-1]  # the sender's credits, as a stack
@@ -59,7 +51,7 @@ class InprocReceiver(Receiver):
                 return
             self.closed = True
             self.cond.notify_all()
-        self.inbox.close(TransportError(f"receiver at {self.address} is closed"))
+        self.inbox.close()
 
 
 class InprocSender(Sender):
@@ -69,7 +61,8 @@ class InprocSender(Sender):
             receiver.slots,
             receiver.slot_bytes,
         )
-        self._rx, self._ids = receiver, (pipeline_id, stage_id)
+        self._rx = receiver
+        self._pack = Packer(self.slot_bytes, OUT_OF_BAND, pipeline_id, stage_id)
         self._closed = False
 
     def send(
@@ -81,7 +74,7 @@ class InprocSender(Sender):
         meta: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> int:
-        layout = lay_out(tensors, self.slot_bytes, batch_size=batch_size, meta=meta)
+        arrays, layout = self._pack(tensors, batch_size, meta)
         rx = self._rx
         with rx.cond:
             self._check()
@@ -89,11 +82,11 @@ class InprocSender(Sender):
                 raise TransportError(f"receiver at {self.address}: no free slot within {timeout} s")
             self._check()
             slot = rx.free.pop()
-        layout.copy_into(slot_view(rx.ring, slot, self.slot_bytes))
+        layout.copy_into(slot_view(rx.ring, slot, self.slot_bytes), arrays)
         # Through the wire format, so the double checks what the real transports check.
-        head = layout.head(slot, request_id, Flag.OUT_OF_BAND, *self._ids)
+        head = layout.announce(slot, request_id)
         header = Header.unpack(head, max_payload=self.slot_bytes)
-        delivery = open_delivery(rx.ring, self.slot_bytes, header, head[HEADER_SIZE:])
+        delivery = rx.unpack(header, bytes(head[HEADER_SIZE:]))
         rx.inbox.claim(header)
         rx.inbox.put(delivery)
         return slot

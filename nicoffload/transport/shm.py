@@ -17,9 +17,10 @@ from multiprocessing import resource_tracker
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
-from nicoffload.transport.base import Layout, slot_view, stride
-from nicoffload.transport.channel import Channel, StreamReceiver, StreamSender
-from nicoffload.transport.frame import Flag, Header, Welcome
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import OUT_OF_BAND, Header, Welcome
+from nicoffload.transport.slots import Layout, slot_view, stride
+from nicoffload.transport.stream import StreamReceiver, StreamSender
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 
@@ -91,6 +92,7 @@ def _socket_path(name: str) -> str:
 
 class ShmSender(StreamSender):
     transport = "shm"
+    out_of_band = True
     _segment: Segment | None = None
 
     def _attach(self, welcome: Welcome) -> None:
@@ -102,10 +104,10 @@ class ShmSender(StreamSender):
         if self._segment is not None:
             self._segment.close()
 
-    def _write(self, slot: int, layout: Layout, request_id: int) -> None:
+    def _write(self, slot: int, arrays: list[np.ndarray], layout: Layout, request_id: int) -> None:
         assert self._segment is not None and self._segment.array is not None
-        layout.copy_into(slot_view(self._segment.array, slot, self.slot_bytes))
-        self._ch.send(layout.head(slot, request_id, Flag.OUT_OF_BAND, *self._ids))
+        layout.copy_into(slot_view(self._segment.array, slot, self.slot_bytes), arrays)
+        self._ch.send(layout.announce(slot, request_id))
 
 
 class ShmReceiver(StreamReceiver):
@@ -130,14 +132,14 @@ class ShmReceiver(StreamReceiver):
             )
 
     def _fill(self, ch: Channel, header: Header, slot: np.ndarray) -> None:
-        if not header.flags & Flag.OUT_OF_BAND:
+        if not header.flags & OUT_OF_BAND:
             raise FrameError("malformed frame: flags: shm DATA must be OUT_OF_BAND")
 
     def _on_ack(self) -> None:
         self._segment.unlink()  # the sender has it mapped: nothing can leak now, even on a crash
 
     def _free_ring(self) -> None:
-        self._ring = np.empty(0, np.uint8)
+        self._unpack.ring = np.empty(0, np.uint8)
         self._segment.close()
 
 

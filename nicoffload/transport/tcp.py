@@ -10,9 +10,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
-from nicoffload.transport.base import Layout, stride
-from nicoffload.transport.channel import Channel, StreamReceiver, StreamSender
-from nicoffload.transport.frame import Flag, Header
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import OUT_OF_BAND, Header
+from nicoffload.transport.slots import Layout, stride
+from nicoffload.transport.stream import StreamReceiver, StreamSender
 
 # Bigger than the autotuning ceiling on common kernels (net.ipv4.tcp_wmem max 4 MiB), so one
 # sendmsg of a large batch is not cut into many wakeups. The kernel caps it at wmem_max x 2.
@@ -38,15 +39,16 @@ def _tune(sock: socket.socket) -> None:
 class TcpSender(StreamSender):
     transport = "tcp"
 
-    def _write(self, slot: int, layout: Layout, request_id: int) -> None:
-        self._ch.send(layout.head(slot, request_id, 0, *self._ids), layout.flat())
+    def _write(self, slot: int, arrays: list[np.ndarray], layout: Layout, request_id: int) -> None:
+        self._ch.send(layout.announce(slot, request_id), layout.payload(arrays))
 
 
 class TcpReceiver(StreamReceiver):
     transport = "tcp"
+    read_ahead = True
 
     def _fill(self, ch: Channel, header: Header, slot: np.ndarray) -> None:
-        if header.flags & Flag.OUT_OF_BAND:
+        if header.flags & OUT_OF_BAND:
             raise FrameError("malformed frame: flags: OUT_OF_BAND on a tcp connection")
         ch.read_into(memoryview(slot))
 

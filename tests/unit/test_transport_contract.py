@@ -356,7 +356,7 @@ def test_failed_listen_and_connect_leak_nothing(kind: str) -> None:
 
 
 def raw_sender(rx: Receiver, kind: str) -> socket.socket:
-    """A hand-driven sender: connect and say HELLO, as the real one does."""
+    """A hand-driven sender: connect and shake hands, as the real one does."""
     if kind == "tcp":
         host, port = rx.address.removeprefix("tcp://").rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=5)
@@ -367,6 +367,7 @@ def raw_sender(rx: Receiver, kind: str) -> socket.socket:
     sock.sendall(encode(Header(Kind.HELLO), Hello(kind)))
     welcome = sock.recv(4096)
     assert Header.unpack(welcome).kind is Kind.WELCOME
+    sock.sendall(encode(Header(Kind.ACK)))
     return sock
 
 

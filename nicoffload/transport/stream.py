@@ -1,0 +1,365 @@
+"""Sender and Receiver over a Channel (the socket transports): HELLO/WELCOME/ACK handshake,
+credits, and a recv that reads frames in the caller's thread. Subclasses move the payload.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from nicoffload.errors import FrameError, TransportError
+from nicoffload.transport.base import Receiver, Sender
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import (
+    OUT_OF_BAND,
+    Header,
+    Hello,
+    Kind,
+    Welcome,
+    decode_meta,
+    encode,
+    error_frame,
+    error_from_frame,
+)
+from nicoffload.transport.slots import (
+    Delivery,
+    Inbox,
+    Layout,
+    Packer,
+    Tensors,
+    Unpacker,
+    slot_view,
+)
+
+HANDSHAKE_TIMEOUT = 10.0  # a connection that completes no handshake by then is dropped
+log = logging.getLogger(__name__)
+_SHUTDOWN = encode(Header(Kind.SHUTDOWN))
+_EOF = object()
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # the sender said SHUTDOWN: recv returns None from then on
+
+
+def _expect(ch: Channel, kind: Kind, timeout: float) -> bytes:
+    """Read one frame of `kind` (its metadata) within `timeout` s; TransportError otherwise."""
+    if not ch.readable(timeout):
+        raise TransportError(f"{ch.peer}: no {kind.name} within {timeout} s")
+    got = ch.read_head(0)
+    if got is None:
+        raise TransportError(f"{ch.peer} closed the connection")
+    if got[0].kind is Kind.ERROR:
+        raise error_from_frame(got[1], ch.peer)
+    if got[0].kind is Kind.SHUTDOWN:
+        raise TransportError(f"{ch.peer} closed")
+    if got[0].kind is not kind:
+        raise FrameError(f"malformed frame: kind: {got[0].kind.name}, expected {kind.name}")
+    return got[1]
+
+
+class StreamSender(Sender):
+    """A Sender over a Channel; a subclass says how a batch reaches the slot (`_write`)."""
+
+    transport = "stream"
+    out_of_band = False  # the payload goes into the slot by another path than the socket
+
+    def __init__(
+        self, address: str, sock: socket.socket, *, timeout: float, pipeline_id: int, stage_id: int
+    ) -> None:
+        self.address = address
+        self._ch = Channel(sock, f"receiver at {address}")
+        self._lock = threading.Lock()
+        self._broken: TransportError | None = None
+        self._closed = False
+        try:
+            self._ch.send(encode(Header(Kind.HELLO), Hello(self.transport)))
+            welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
+            self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
+            self._attach(welcome)
+            self._ch.send(encode(Header(Kind.ACK)))
+        except BaseException:
+            self._ch.close()
+            self._detach()
+            raise
+        flags = OUT_OF_BAND if self.out_of_band else 0
+        self._pack = Packer(self.slot_bytes, flags, pipeline_id, stage_id)
+        self._free = list(range(self.slots))[::-1]  # a stack: reuse the slot freed last (warm)
+        self._out: set[int] = set()
+
+    def _attach(self, welcome: Welcome) -> None:
+        """Map the receiver's ring, for a payload written out of band (shm)."""
+
+    def _detach(self) -> None:
+        """Undo `_attach`; idempotent."""
+
+    def _write(self, slot: int, arrays: list[np.ndarray], layout: Layout, request_id: int) -> None:
+        raise NotImplementedError
+
+    def send(
+        self,
+        tensors: Tensors,
+        *,
+        request_id: int = 0,
+        batch_size: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        arrays, layout = self._pack(tensors, batch_size, meta)
+        with self._lock:
+            self._check()
+            # Credits (or an ERROR, a SHUTDOWN) waiting on the socket, or no slot free.
+            if (self._ch.readable(0) or not self._free) and not self._wait(self._has_free, timeout):
+                raise TransportError(f"{self._ch.peer}: no free slot within {timeout} s")
+            slot = self._free.pop()
+            self._out.add(slot)
+            self._guard(self._write, slot, arrays, layout, request_id)
+            return slot
+
+    def _has_free(self) -> bool:
+        return bool(self._free)
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._check()
+            if not self._wait(lambda: not self._out, timeout):
+                raise TransportError(f"{self._ch.peer}: {len(self._out)} batches still held")
+
+    def _wait(self, done: Callable[[], object], timeout: float | None) -> bool:
+        """Take in credits until done() or the timeout; True if done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._guard(self._take_credits, 0.0)
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._guard(self._take_credits, left)
+        return True
+
+    def _take_credits(self, timeout: float | None) -> None:
+        while self._ch.readable(timeout):
+            got = self._ch.read_head(0)
+            if got is None:
+                raise TransportError(f"{self._ch.peer} closed the connection")
+            header, meta = got
+            if header.kind is Kind.CREDIT and header.slot in self._out:
+                self._out.remove(header.slot)
+                self._free.append(header.slot)
+            elif header.kind is Kind.ERROR:
+                raise error_from_frame(meta, self._ch.peer)
+            elif header.kind is Kind.SHUTDOWN:
+                raise TransportError(f"{self._ch.peer} closed")
+            elif header.kind is Kind.CREDIT:
+                raise FrameError(f"malformed frame: slot: credit for slot {header.slot}, not out")
+            elif header.kind is not Kind.HEARTBEAT:
+                raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
+            timeout = 0.0
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn; a failure leaves the stream unusable: close it, for good."""
+        try:
+            fn(*args)
+        except TransportError as exc:
+            self._broken = exc
+            self._ch.close()
+            self._detach()
+            raise
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TransportError(f"sender to {self.address} is closed")
+        if self._broken is not None:
+            raise TransportError(f"sender to {self.address} failed earlier: {self._broken}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._broken is None:
+            self._ch.post(_SHUTDOWN, _DONTWAIT)
+        self._ch.shutdown()  # wakes a send() blocked on credits in another thread...
+        with self._lock:  # ...which must be out before the fd is closed (and maybe reused)
+            self._ch.close()
+            self._detach()
+
+
+class StreamReceiver(Receiver):
+    """A Receiver whose helper thread accepts one sender and shakes hands with it; then recv
+    reads frames in the caller's thread (no hand-off between threads per batch), or, with
+    `read_ahead`, the helper thread goes on reading DATA into the ring and queues deliveries."""
+
+    transport = "stream"
+    # The payload is on the socket (tcp): a sender holding credits must not wait on recv().
+    read_ahead = False
+
+    def __init__(
+        self, address: str, listener: socket.socket, slots: int, slot_bytes: int, ring: np.ndarray
+    ) -> None:
+        self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
+        self._listener = listener
+        self._unpack = Unpacker(ring, slot_bytes)
+        self._inbox = Inbox(f"receiver at {address}")  # the queue is used with read_ahead only
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._ch: Channel | None = None
+        self._lock = threading.Lock()  # guards _ch and _closed against close()
+        self._recv_lock = threading.Lock()  # one reader of the channel at a time
+        self._ready = threading.Event()  # set when a sender is connected, or never will be
+        self._final: object = None  # _EOF or the error, for good
+        self._closed = False
+        self._credits: dict[int, bytes] = {}
+        self._helper = threading.Thread(target=self._serve, name=f"recv {address}", daemon=True)
+        self._helper.start()
+
+    # hooks for the data path
+    def _welcome(self) -> Welcome:
+        return Welcome(self.slots, self.slot_bytes)
+
+    def _accepted(self, sock: socket.socket) -> None:
+        """A sender connected: tune its socket, or refuse it (TransportError)."""
+
+    def _fill(self, ch: Channel, header: Header, slot: np.ndarray) -> None:
+        """Get the payload of a DATA frame into `slot` (its first payload_len bytes)."""
+        raise NotImplementedError
+
+    def _on_ack(self) -> None:
+        """The sender is set up (shm: it has mapped the ring, so the name can go)."""
+
+    def _free_ring(self) -> None:
+        """Give the ring back (shm: unlink and unmap); idempotent."""
+
+    def _serve(self) -> None:
+        poll = select.poll()
+        poll.register(self._listener, select.POLLIN)
+        poll.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._closed:
+                poll.poll()
+                if not self._closed and self._handshake():
+                    self._listener.close()  # one sender per receiver: later connects are refused
+                    break
+        except OSError as exc:
+            self._final = TransportError(f"receiver at {self.address}: accept failed: {exc}")
+        finally:
+            self._ready.set()
+        if self.read_ahead and self._ch is not None:
+            self._read_ahead(self._ch)
+
+    def _handshake(self) -> bool:
+        sock, _ = self._listener.accept()
+        ch = Channel(sock, f"sender to {self.address}")
+        with self._lock:
+            self._ch = ch  # so that close() can wake the handshake below
+        try:
+            self._accepted(sock)
+            hello = decode_meta(_expect(ch, Kind.HELLO, HANDSHAKE_TIMEOUT), Hello)
+            if hello.transport != self.transport:
+                raise FrameError(f"a {hello.transport} sender, this is a {self.transport} ring")
+            ch.send(encode(Header(Kind.WELCOME), self._welcome()))
+            _expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT)
+            self._on_ack()
+            return True
+        except TransportError as exc:
+            with self._lock:
+                self._ch = None
+            if not self._closed:
+                log.warning("receiver at %s: refused a connection: %s", self.address, exc)
+            ch.close()
+            return False
+
+    def _read_ahead(self, ch: Channel) -> None:
+        try:
+            while self._final is None:
+                delivery = self._next(ch)
+                if delivery is not None:
+                    self._inbox.put(delivery)
+            self._inbox.end()
+        except TransportError as exc:
+            self._inbox.end(exc)
+
+    def recv(self, timeout: float | None = None) -> Delivery | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._recv_lock:
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed")
+            if not self._ready.wait(timeout):
+                raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.read_ahead:
+                return self._inbox.get(left, timeout)
+            while self._final is None:
+                ch = self._ch
+                assert ch is not None
+                if not ch.readable(left):
+                    raise TransportError(f"receiver at {self.address}: no batch within {timeout} s")
+                delivery = self._next(ch)
+                if delivery is not None:
+                    return self._inbox.hand_out(delivery)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._final is _EOF:
+                return None
+            raise self._final  # type: ignore[misc]
+
+    def _next(self, ch: Channel) -> Delivery | None:
+        """Read one frame: the Delivery it announces, or None for a control frame. A failure
+        is final: the sender is told why (ERROR) and the connection is shut."""
+        try:
+            return self._read(ch)
+        except TransportError as exc:
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed") from exc
+            if isinstance(exc, FrameError):
+                ch.post(error_frame(exc), _DONTWAIT)
+            ch.shutdown()
+            self._final = exc
+            raise
+
+    def _read(self, ch: Channel) -> Delivery | None:
+        got = ch.read_head(self.slot_bytes)
+        if got is None:
+            raise TransportError(f"{ch.peer}: disconnected without SHUTDOWN")
+        header, meta = got
+        if header.kind is Kind.DATA:
+            delivery = self._unpack(header, meta)
+            self._inbox.claim(header)
+            slot = slot_view(self._unpack.ring, header.slot, self.slot_bytes)
+            self._fill(ch, header, slot[: header.payload_len])
+            return delivery
+        if header.payload_len:
+            raise FrameError(f"malformed frame: payload_len: {header.kind.name} with payload")
+        if header.kind is Kind.SHUTDOWN:
+            self._final = _EOF
+        elif header.kind is Kind.ERROR:
+            raise error_from_frame(meta, ch.peer)
+        elif header.kind is not Kind.HEARTBEAT:
+            raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
+        return None
+
+    def release(self, delivery: Delivery) -> None:
+        ch = self._ch
+        if not self._inbox.take_back(delivery) or ch is None:
+            return
+        credit = self._credits.get(delivery.slot)
+        if credit is None:
+            credit = self._credits[delivery.slot] = encode(Header(Kind.CREDIT, slot=delivery.slot))
+        ch.post(credit)  # if the sender is gone, recv reports how
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ch = self._ch
+        self._wake_w.send(b"x")
+        if ch is not None:
+            ch.post(_SHUTDOWN, _DONTWAIT)
+            ch.shutdown()  # wakes a recv or a handshake blocked on it
+        self._helper.join()
+        with self._recv_lock:
+            for resource in (ch, self._listener, self._wake_r, self._wake_w):
+                if resource is not None:
+                    resource.close()
+            self._inbox.close()
+            self._free_ring()
