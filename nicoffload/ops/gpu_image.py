@@ -25,6 +25,7 @@ uint8 levels (tests/device states the tolerance).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ from nicoffload.ops.normalize import affine
 from nicoffload.ops.resize import output_size
 
 TILE_W, TILE_H = 32, 8  # one thread per output pixel of a 32x8 tile
-SMEM_LIMIT = 200 * 1024  # bytes of dynamic shared memory one block may ask for (H100/H200: 227 KB)
+# Shared memory one item may need (its taps tables and source rows); three such maxima together
+# stay under the 227 KB a Hopper block may have.
+SMEM_LIMIT = 72 * 1024
 DESC = 16  # int64 fields per item descriptor
 
 CUDA_SOURCE = r"""
@@ -335,6 +338,17 @@ def _rows(gpu: Any, items: Any) -> list[Any]:
     ]
 
 
+@dataclass
+class _Launch:
+    """A prepared batch: grid, kernel arguments, shared memory, its outputs (and descriptors)."""
+
+    grid: tuple[int, int, int] | None
+    args: tuple
+    smem: int
+    result: Any
+    desc: Any  # kept alive until the launch has been issued
+
+
 class _ImageKernel:
     """The batch function of one image chain on the GPU (see the module docstring)."""
 
@@ -358,62 +372,84 @@ class _ImageKernel:
         pad = 4 - len(a)
         self.ab = tuple(np.float32(v) for v in (*a, *([0.0] * pad), *b, *([0.0] * pad)))
         self.sms = self.gpu.torch.cuda.get_device_properties(self.gpu.index).multi_processor_count
+        self._geometry = functools.lru_cache(maxsize=4096)(self.geometry)
+
+    def geometry(self, h: int, w: int, c: int) -> tuple[int, ...]:
+        """Per input size (cached): h, w, resized h, w, window top, left, out h, w, taps x, y,
+        source rows per tile, shared memory bytes."""
+        rh, rw, top, left, oh, ow = self.chain.geometry(h, w)
+        kx, _ = _ksize(w, rw, self.antialias)
+        ky, support = _ksize(h, rh, self.antialias)
+        rows = math.ceil((TILE_H - 1) * h / rh + 2 * support + 2)
+        return (h, w, rh, rw, top, left, oh, ow, kx, ky, rows, _smem(c, kx, ky, rows))
 
     def __call__(self, items: Any, out: Any = None, failed: dict | None = None) -> Any:
         if self.chain.in_dtype != "uint8":
             return self._float(items, out, failed)
         if self._dense_ok(items, failed):
             return self._dense(items, out)
+        launch = self.prepare(items, out, failed)
+        self.launch(launch)
+        return launch.result
+
+    def prepare(self, items: Any, out: Any = None, failed: dict | None = None) -> _Launch:
+        """The host half: descriptors (one int64 row per item) and outputs, nothing launched."""
         rows = _rows(self.gpu, items)
         n = len(rows)
+        skip = failed or {}
+        live = [i for i, x in enumerate(rows) if x is not None and i not in skip]
+        geo = [self._geometry(*rows[i].shape) for i in live]
+        if any(g[11] > SMEM_LIMIT for g in geo):
+            for i, g in zip(live, geo, strict=True):
+                if g[11] > SMEM_LIMIT:
+                    reason = f"{g[0]}x{g[1]} -> {g[2]}x{g[3]} is beyond the GPU resampler's tile"
+                    _fail(failed, i, ItemError("too_large", reason))
+            keep = [j for j, g in enumerate(geo) if g[11] <= SMEM_LIMIT]
+            live, geo = [live[j] for j in keep], [geo[j] for j in keep]
         desc = np.zeros((n, DESC), np.int64)
         dtype = _torch_dtype(self.gpu.torch, self.chain.out_dtype)
-        outs: list[Any] = [None] * n
-        batch = None
         if self.static_shape is not None:
-            batch = out if out is not None else self.gpu.empty((n, *self.static_shape), dtype)
-            oh, ow = self.static_window
-            row_bytes = batch.stride(0) * batch.element_size()
-            desc[:, 10] = batch.data_ptr() + np.arange(n, dtype=np.int64) * row_bytes
-            desc[:, 11:13] = (oh, ow)  # failed rows keep src 0: the kernel zeroes them
+            result = out if out is not None else self.gpu.empty((n, *self.static_shape), dtype)
+            row_bytes = result.stride(0) * result.element_size()
+            desc[:, 10] = result.data_ptr() + np.arange(n, dtype=np.int64) * row_bytes
+            desc[:, 11:13] = self.static_window  # failed rows keep src 0: the kernel zeroes them
+        else:
+            result = [None] * n
         kx = ky = 3
         rows_max = 1
-        for i, x in enumerate(rows):
-            if x is None or (failed is not None and i in failed):
-                continue
-            h, w, c = x.shape
-            rh, rw, top, left, oh, ow = self.chain.geometry(h, w)
-            ikx, _ = _ksize(w, rw, self.antialias)
-            iky, sup = _ksize(h, rh, self.antialias)
-            irows = math.ceil((TILE_H - 1) * h / rh + 2 * sup + 2)
-            if _smem(c, max(kx, ikx), max(ky, iky), max(rows_max, irows)) > SMEM_LIMIT:
-                reason = f"{h}x{w} -> {rh}x{rw} is beyond the GPU resampler's tile"
-                _fail(failed, i, ItemError("too_large", reason))
-                continue
-            kx, ky, rows_max = max(kx, ikx), max(ky, iky), max(rows_max, irows)
-            if batch is None:
-                outs[i] = self.gpu.empty(self.chain.out_shape(oh, ow), dtype)
-                desc[i, 10:13] = (outs[i].data_ptr(), oh, ow)
-            desc[i, :6] = (x.data_ptr(), h, w, x.stride(2), x.stride(0), x.stride(1))
-            desc[i, 6:10] = (rh, rw, top, left)
+        if live:
+            g = np.array(geo, np.int64)
+            at = np.array(live)
+            desc[at, 0] = [rows[i].data_ptr() for i in live]
+            desc[at, 1:3] = g[:, 0:2]
+            desc[at, 3:6] = [(s[2], s[0], s[1]) for s in (rows[i].stride() for i in live)]
+            desc[at, 6:10] = g[:, 2:6]
+            if self.static_shape is None:
+                for i, (*_, oh, ow, _kx, _ky, _r, _m) in zip(live, geo, strict=True):
+                    result[i] = self.gpu.empty(self.chain.out_shape(oh, ow), dtype)
+                desc[at, 10] = [result[i].data_ptr() for i in live]
+                desc[at, 11:13] = g[:, 6:8]
+            kx, ky, rows_max = (int(v) for v in g[:, 8:11].max(axis=0))
         gh, gw = int(desc[:, 11].max(initial=0)), int(desc[:, 12].max(initial=0))
-        if gh and gw:
-            smem = _smem(self.chain.channels, kx, ky, rows_max)
-            if smem > self.smem_set:
-                self.resample.max_dynamic_shared_size_bytes = smem
-                self.smem_set = smem
-            d = self.gpu.torch.from_numpy(desc).to(self.gpu.device, non_blocking=True)
-            chw = self.chain.norm is not None and self.chain.norm[3] == "chw"
-            args = (d.data_ptr(), self.chain.channels, chw, self.antialias, kx, ky)
-            grid = (-(-gw // TILE_W), -(-gh // TILE_H), n)
-            _launch(
-                self.gpu,
-                self.resample,
-                grid,
-                (np.uint64(args[0]), *(np.int32(v) for v in args[1:]), *self.ab),
-                smem,
-            )
-        return batch if batch is not None else outs
+        smem = _smem(self.chain.channels, kx, ky, rows_max)
+        grid = (-(-gw // TILE_W), -(-gh // TILE_H), n) if gh and gw else None
+        chw = self.chain.norm is not None and self.chain.norm[3] == "chw"
+        d = self.gpu.torch.from_numpy(desc).to(self.gpu.device, non_blocking=True)
+        args = (
+            np.uint64(d.data_ptr()),
+            *(np.int32(v) for v in (self.chain.channels, chw, self.antialias, kx, ky)),
+            *self.ab,
+        )
+        return _Launch(grid, args, smem, result, d)
+
+    def launch(self, launch: _Launch) -> None:
+        """The device half: one kernel for the whole batch, on the current stream."""
+        if launch.grid is None:
+            return
+        if launch.smem > self.smem_set:
+            self.resample.max_dynamic_shared_size_bytes = launch.smem
+            self.smem_set = launch.smem
+        _launch(self.gpu, self.resample, launch.grid, launch.args, launch.smem)
 
     def _dense_ok(self, items: Any, failed: dict | None) -> bool:
         torch = self.gpu.torch
@@ -583,7 +619,6 @@ class _Decoder:
         return arr[..., None] if arr.ndim == 2 else arr
 
     def __call__(self, items: Sequence[Any], out: Any = None, failed: dict | None = None) -> list:
-        torch = self.gpu.torch
         n = len(items)
         res: list[Any] = [None] * n
         gpu_rows, cpu_rows = [], []
@@ -608,7 +643,7 @@ class _Decoder:
                 _fail(failed, i, exc)
                 continue
             self.stats.cpu_fallback += 1
-            res[i] = torch.from_numpy(np.ascontiguousarray(arr)).to(self.gpu.device)
+            res[i] = self.gpu.upload(np.require(arr, requirements=["C", "W"]))
         return res
 
     def _nvjpeg(self, datas: list[bytes], rows: list[int], res: list[Any]) -> list[int]:
