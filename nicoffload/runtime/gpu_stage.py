@@ -9,6 +9,7 @@ nvJPEG's host phase, descriptor building) and its copies overlap the device work
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -53,10 +54,20 @@ class GpuBatch:
     done: Any
     _timing: list[tuple[int, Any, Any]] = field(default_factory=list, repr=False)
     _host_ms: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    # Every intermediate (decoded images, staged copies), held until the batch is done: memory
+    # allocated on a worker's copy or decode stream and read on its compute stream is only
+    # freed once that reading finished (instead of record_stream on each tensor).
+    _keep: dict[str, Any] | None = field(default=None, repr=False)
 
     def wait(self) -> GpuBatch:
         self.done.synchronize()
+        self._keep = None
         return self
+
+    def __del__(self) -> None:
+        if self._keep is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+                self.done.synchronize()
 
     def ready(self) -> bool:
         return bool(self.done.query())
@@ -163,7 +174,6 @@ class GpuStage:
             return value
         flat = self.ring.copy_in(value.slot, value.nbytes, streams.copy)
         streams.compute.wait_event(value.slot.event)
-        flat.record_stream(streams.compute)
         dtype = torch.from_numpy(value.arrays[0][:0]).dtype
         base = flat.view(dtype)
         size = value.arrays[0].itemsize
@@ -194,9 +204,6 @@ class GpuStage:
                     with torch.cuda.stream(st.decode):
                         result = step.fn(*args, failed=failed)
                     st.compute.wait_stream(st.decode)
-                    for t in result:
-                        if t is not None:
-                            t.record_stream(st.compute)
                     host_ms.append((i, (time.perf_counter() - t0) * 1e3))
                 else:
                     e0, e1 = (
@@ -211,10 +218,8 @@ class GpuStage:
                 values.update(zip(step.writes, results, strict=True))
             done = torch.cuda.Event()
             done.record(st.compute)
-        out = GpuBatch(
-            index, n, {k: values[k] for k in self.outputs}, failed, done, timing, host_ms
-        )
-        return out
+        outputs = {k: values[k] for k in self.outputs}
+        return GpuBatch(index, n, outputs, failed, done, timing, host_ms, values)
 
     def _account(self, b: GpuBatch) -> None:
         b.wait()
