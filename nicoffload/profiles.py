@@ -194,3 +194,238 @@ def default_profile_for(kind: str) -> str:
     return (
         str(measured) if measured.is_file() else str(SHIPPED_DIR / f"{SHIPPED_DEFAULT[kind]}.json")
     )
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+# Image sizes swept, each followed by a resize to 0.7x its shorter side: the decoder then always
+# scales by 6/8 in the DCT domain, as it does for ResNet's 375x500 -> 256 (the work the planner
+# costs with is the pixels actually decoded, see planner.cost.effective_work).
+IMAGE_SIZES = ((188, 250), (375, 500), (564, 752), (750, 1000))
+TOKEN_LENGTHS = (32, 128, 512)
+_IMAGE_PIPELINE = """\
+name: profile-image
+inputs: {{image: {{kind: bytes, format: jpeg, typical: {{height: {h}, width: {w}, bytes: {nbytes}}}}}}}
+nodes:
+  - {{name: decode, op: decode_image, in: image}}
+  - {{name: resize, op: resize, in: decode, params: {{shorter: {short}}}}}
+  - {{name: crop, op: center_crop, in: resize, params: {{size: {crop}}}}}
+  - {{name: norm, op: normalize, in: crop, params: {{mean: [0.485, 0.456, 0.406], std: [0.229, 0.224, 0.225], dtype: float16}}}}
+outputs: {{pixels: norm}}
+"""
+_TEXT_PIPELINE = """\
+name: profile-text
+inputs: {{text: {{kind: text, typical: {{chars: {chars}}}}}}}
+nodes:
+  - {{name: tok, op: tokenize, in: text, params: {{max_length: {tokens}}}}}
+outputs: {{ids: tok.input_ids, mask: tok.attention_mask}}
+"""
+
+
+def _jpeg(h: int, w: int, seed: int) -> bytes:
+    """A photo-like JPEG of h x w: a shipped sample photo rescaled, else smooth noise."""
+    import numpy as np
+    import simplejpeg
+    from PIL import Image
+
+    try:
+        from nicoffload.samples import sample_image
+
+        _, data = sample_image(seed)
+        img = np.asarray(Image.open(__import__("io").BytesIO(data)).convert("RGB").resize((w, h)))
+    except Exception:  # no sample photos: low-frequency noise compresses like a photo
+        rng = np.random.default_rng(seed)
+        small = rng.integers(0, 255, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+        img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
+    return simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=90, colorsubsampling="420")
+
+
+def _pipelines(directory: Path, quick: bool):
+    """(pipeline, input values by name) for each size of the sweep."""
+    from nicoffload.graph import load_pipeline
+    from nicoffload.samples import sample_text
+
+    sizes = IMAGE_SIZES[:3] if quick else IMAGE_SIZES
+    for i, (h, w) in enumerate(sizes):
+        data = _jpeg(h, w, 0)
+        short = int(h * 0.7)
+        text = _IMAGE_PIPELINE.format(h=h, w=w, nbytes=len(data), short=short, crop=min(224, short))
+        path = directory / f"image{i}.yaml"
+        path.write_text(text)
+        yield load_pipeline(path), {"image": data}
+    for i, n in enumerate(TOKEN_LENGTHS[:2] if quick else TOKEN_LENGTHS):
+        words = " ".join(sample_text(j)[1] for j in range(n // 8 + 1))[: int(n * 4.5)]
+        path = directory / f"text{i}.yaml"
+        path.write_text(_TEXT_PIPELINE.format(chars=len(words), tokens=n))
+        yield load_pipeline(path), {"text": words}
+
+
+def _time_ms(fn, args, budget_s: float) -> float:
+    """Median ms per call over 5 rounds, after a warm-up."""
+    import statistics
+    import time
+
+    fn(*args)
+    t0 = time.perf_counter()
+    fn(*args)
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(1, int(budget_s / 5 / once))
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        rounds.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(rounds)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares a + b * work with a, b >= 0."""
+    import numpy as np
+
+    w, t = np.array(points).T
+    if len(points) > 1 and np.ptp(w) > 0:
+        b, a = np.polyfit(w, t, 1)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+        if b >= 0:
+            return 0.0, float((w @ t) / (w @ w))
+    return float(t.mean()), 0.0
+
+
+def measure_kernels(
+    kind: str, *, quick: bool = False, budget_s: float = 0.25, progress=None
+) -> dict[str, KernelCost]:
+    """Run every kernel registered for `kind` on the sweep and fit each one's a + b * work."""
+    import tempfile
+
+    from nicoffload import ops
+    from nicoffload.planner.cost import chain_work
+
+    kernels = [k for k in ops.all_kernels() if k.device == kind]
+    points: dict[str, list[tuple[float, float]]] = {}
+    units: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = list(_pipelines(Path(tmp), quick))
+        if progress:
+            progress(total=len(cases) * len(kernels))
+        for pipeline, inputs in cases:
+            values = dict(inputs)
+            nodes = list(pipeline.nodes)
+            for node in nodes:  # the real upstream values each kernel will read
+                fn = ops.get_kernel(node.op, kind).build([node], pipeline.consumers(node.name))
+                out = fn(*(values[str(r)] for r in node.inputs))
+                outs = out if len(node.out_specs) > 1 else (out,)
+                for port, value in zip(node.out_specs, outs, strict=True):
+                    values[node.name if port == "out" else f"{node.name}.{port}"] = __import__(
+                        "copy"
+                    ).deepcopy(value)
+            ops_seq = [n.op for n in nodes]
+            for k in kernels:
+                at = next(
+                    (i for i in range(len(nodes)) if tuple(ops_seq[i : i + len(k.ops)]) == k.ops),
+                    None,
+                )
+                if at is not None:
+                    chain = nodes[at : at + len(k.ops)]
+                    fn = k.build(chain, pipeline.consumers(chain[-1].name))
+                    ms = _time_ms(fn, [values[str(r)] for r in chain[0].inputs], budget_s)
+                    key = "+".join(k.ops)
+                    points.setdefault(key, []).append(
+                        (chain_work(pipeline, [n.name for n in chain]), ms)
+                    )
+                    units[key] = chain[0].opdef().work_unit
+                if progress:
+                    progress(advance=1)
+    return {key: KernelCost(*fit(p), units[key], tuple(p)) for key, p in points.items()}
+
+
+def measure_links(*, quick: bool = False) -> dict[str, LinkCost]:
+    """Loopback TCP and a shared-memory copy on this machine: latency, bandwidth, CPU per byte."""
+    import socket
+    import threading
+    import time
+
+    import numpy as np
+
+    total = (32 if quick else 128) << 20
+    server = socket.create_server(("127.0.0.1", 0))
+    tx = socket.create_connection(server.getsockname())
+    rx, _ = server.accept()
+    server.close()
+    try:
+        for s in (tx, rx):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            tx.sendall(b"x")
+            rx.recv(1)
+            rx.sendall(b"y")
+            tx.recv(1)
+        tcp_latency = (time.perf_counter() - t0) / 400 * 1e3
+
+        def drain() -> None:
+            buf, got = bytearray(1 << 20), 0
+            while got < total:
+                got += rx.recv_into(buf)
+
+        chunk = bytes(1 << 20)
+        reader = threading.Thread(target=drain)
+        c0, t0 = time.process_time(), time.perf_counter()
+        reader.start()
+        for _ in range(total >> 20):
+            tx.sendall(chunk)
+        reader.join()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        tx.close()
+        rx.close()
+    src, dst = np.ones(total // 2, np.uint8), np.empty(total // 2, np.uint8)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        np.copyto(dst, src)
+    copy_s = (time.perf_counter() - t0) / 4
+    shm_bw = src.nbytes / copy_s
+    return {
+        "tcp": LinkCost(tcp_latency, total / wall, cpu / total * 1e9 / 2),
+        "shm": LinkCost(0.01, shm_bw, 1e9 / shm_bw / 2),
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": model,
+        "cores": cores,
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }
+
+
+def measure(
+    kind: str = "cpu", *, quick: bool = False, progress=None, budget_s: float = 0.25
+) -> Profile:
+    """A measured profile of this machine's cores run as `kind` (cpu, or dpu on a DPU)."""
+    import datetime
+
+    kernels = measure_kernels(kind, quick=quick, progress=progress, budget_s=budget_s)
+    links = measure_links(quick=quick) if kind in ("cpu", "dpu") else {}
+    sizes = ", ".join(f"{h}x{w}" for h, w in (IMAGE_SIZES[:3] if quick else IMAGE_SIZES))
+    method = (
+        f"measured: each registered {kind} kernel on one thread, median of 5 rounds per size, "
+        f"on JPEGs of {sizes} (resize to 0.7x, so decode scales 6/8) and texts of "
+        f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
+        "links: loopback TCP and a memcpy"
+    )
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return Profile(kind, kernels, links, machine_info(), date, method, "", "<measured>")

@@ -150,6 +150,25 @@ def effective_work(pipeline: Pipeline) -> dict[str, float]:
     return {n.name: float(n.opdef().work(n.params, *specs[n.name])) for n in pipeline.nodes}
 
 
+def chain_work(pipeline: Pipeline, names: Iterable[str]) -> float:
+    """The work of a fused chain: a crop inside it limits what the ops before it compute to
+    the crop window (a fused resize+crop resamples only the pixels it keeps)."""
+    work, specs = effective_work(pipeline), effective_specs(pipeline)
+    names = list(names)
+    total = 0.0
+    for i, name in enumerate(names):
+        share = 1.0
+        for later in names[i + 1 :]:
+            if pipeline.node(later).op == "center_crop":
+                kept = math.prod(specs[later][1]["out"].typical_shape)
+                share = min(
+                    1.0, kept / max(1, math.prod(next(iter(specs[name][1].values())).typical_shape))
+                )
+                break
+        total += work[name] * share
+    return total
+
+
 # -- fusion ------------------------------------------------------------------------------------
 
 
@@ -251,12 +270,13 @@ def build_model(
     for kind in sorted({dev.kind for dev in topology.devices}):
         for window in fusion_windows(pipeline, catalog.fused.get(kind, ())):
             key = "+".join(pipeline.nodes[i].op for i in window)
+            fused_work = chain_work(pipeline, [names[i] for i in window])
             delta = np.full(D, np.nan)
             for d, dev in enumerate(topology.devices):
                 entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
                 own = cost[list(window), d].sum()
                 if dev.kind == kind and entry is not None and np.isfinite(own):
-                    delta[d] = max(0.0, entry.ms(work[list(window)].sum())) - own
+                    delta[d] = max(0.0, entry.ms(fused_work)) - own
             if not np.isnan(delta).all():
                 groups.append(Group(window, key, delta))
     specs = effective_specs(pipeline)

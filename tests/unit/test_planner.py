@@ -10,7 +10,7 @@ import pytest
 from nicoffload.errors import PlanError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner import plan_for
-from nicoffload.planner.cost import Catalog, build_model, effective_specs
+from nicoffload.planner.cost import Catalog, build_model, chain_work, effective_specs
 from nicoffload.planner.evaluate import Goal, brute_force, evaluate
 from nicoffload.planner.plan import Plan, single_device_plan
 from nicoffload.planner.solve import resolve_profiles
@@ -64,7 +64,7 @@ def test_a_stage_of_a_fused_chain_is_priced_as_the_fused_kernel(resnet) -> None:
     topo = load_topology(TOPOLOGIES / "host-only.yaml")
     model = build_model(resnet, topo, resolve_profiles(topo), CPU_AND_DPU)
     fused = resolve_profiles(topo)["cpu"].kernel("resize+center_crop+normalize")
-    expect = model.cost[0, 0] + fused.ms(model.work[1:].sum())
+    expect = model.cost[0, 0] + fused.ms(chain_work(resnet, ["resize", "crop", "norm"]))
     assert stage.predicted_ms_per_item == pytest.approx(expect, rel=1e-5)
     assert stage.predicted_ms_per_item < model.cost[:, 0].sum()
 

@@ -99,3 +99,35 @@ def test_this_machines_measured_profile_wins_over_the_shipped_estimate(
     Profile("cpu", {}).save(tmp_path / "cpu.json")
     assert default_profile_for("cpu") == str(tmp_path / "cpu.json")
     assert default_profile_for("dpu").endswith("bluefield3-arm.json")
+
+
+def test_fit_recovers_a_line_and_never_goes_negative() -> None:
+    from nicoffload.profiles import fit
+
+    assert fit([(0, 1.0), (10, 3.0), (20, 5.0)]) == pytest.approx((1.0, 0.2))
+    a, b = fit([(10, 1.0), (20, 5.0)])  # would cross zero below: forced through the origin
+    assert a == 0.0 and b > 0
+    assert fit([(5, 2.0)]) == (2.0, 0.0)
+
+
+def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from nicoffload import ops, profiles
+
+    if "cpu" not in ops.kernels_for("decode_image"):
+        pytest.skip("the image kernels for cpu are not registered")
+    monkeypatch.setattr(profiles, "IMAGE_SIZES", ((60, 80), (120, 160), (180, 240)))
+    monkeypatch.setattr(profiles, "TOKEN_LENGTHS", (8, 16))
+    monkeypatch.setattr(profiles, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
+    seen = []
+    p = profiles.measure(
+        "cpu", quick=True, progress=lambda total=None, advance=0: seen.append((total, advance))
+    )
+    expect = {"+".join(k.ops) for k in ops.all_kernels() if k.device == "cpu"}
+    assert set(p.kernels) == expect
+    assert all(len(c.points) >= 2 and c.a_ms >= 0 and c.b_ms >= 0 for c in p.kernels.values())
+    assert p.method.startswith("measured:") and p.machine["cores"] >= 1 and p.date
+    assert seen[0][0] == 5 * len(expect) and sum(a for _, a in seen) == seen[0][0]
+    p.save(tmp_path / "cpu.json")
+    assert load_profile(tmp_path / "cpu.json").kernels.keys() == p.kernels.keys()

@@ -1,0 +1,77 @@
+"""`nicoffload profile`: measure what each kernel and link costs on this machine, for the planner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from nicoffload.cli import app, emit_json, handle_errors
+
+
+@app.command()
+@handle_errors
+def profile(
+    device: str = typer.Option(
+        "cpu", "--device", help="cpu | dpu (run on the DPU itself) | gpu | dpu@HOST:PORT"
+    ),
+    output: Path | None = typer.Option(
+        None,
+        "--output",
+        "-o",
+        help="where to write it (default: this machine's profile, which plan and run use)",
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="fewer sizes and shorter timing (a rougher profile)"
+    ),
+    json_out: bool = typer.Option(False, "--json", help="print the profile as JSON"),
+) -> None:
+    """Run every registered kernel of a device over a range of input sizes, fit `a + b * work`,
+    measure the local transports, and write the profile (machine, date and method included)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from nicoffload.errors import DeviceError, ProfileError
+    from nicoffload.profiles import measure, measured_path
+
+    kind, _, address = device.partition("@")
+    if kind not in ("cpu", "dpu", "gpu"):
+        raise ProfileError(f"--device must be cpu, dpu, gpu or dpu@HOST:PORT, got '{device}'")
+    if address:
+        raise DeviceError(
+            f"profiling through the DPU agent at {address} is not available yet; run "
+            "`nicoffload profile --device dpu` on the DPU itself and copy the file to this host "
+            "(then pass it to `plan --profile`, or name it in the topology's `profile:`)"
+        )
+    if kind == "gpu":
+        from nicoffload.topology import _cuda_works
+
+        if not _cuda_works():
+            raise DeviceError("no working CUDA GPU here (install nicoffload[gpu] on a GPU machine)")
+    with Progress(
+        TextColumn(f"profiling {kind} kernels"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        console=None,
+    ) as bar:
+        task = bar.add_task("kernels", total=None)
+
+        def progress(total: int | None = None, advance: int = 0) -> None:
+            if total is not None:
+                bar.update(task, total=total)
+            bar.advance(task, advance)
+
+        result = measure(kind, quick=quick, progress=progress)
+    path = output or measured_path(kind)
+    result.save(path)
+    if json_out:
+        emit_json(result.to_json())
+        return
+    typer.echo(f"profile of {kind} ({result.machine.get('cpu', '?')}) written to {path}", err=True)
+    for key, cost in sorted(result.kernels.items()):
+        typer.echo(f"  {key:<30} {cost.a_ms:8.4f} ms + {cost.b_ms:.3e} ms/{cost.unit.rstrip('s')}")
+    for name, link in sorted(result.links.items()):
+        typer.echo(
+            f"  link {name:<25} {link.latency_ms * 1e3:6.1f} us, {link.bandwidth * 8 / 1e9:6.1f} Gb/s, "
+            f"{link.cpu_ns_per_byte:.3f} ns CPU/byte per end"
+        )
