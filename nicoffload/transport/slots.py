@@ -120,8 +120,13 @@ class Packer:
                 self._cache[key] = layout
         return arrays, layout
 
-    def _lay_out(self, names: tuple[str, ...], arrays: list[np.ndarray], batch_size: int,
-                 meta: Mapping[str, Any] | None) -> Layout:  # fmt: skip
+    def _lay_out(
+        self,
+        names: tuple[str, ...],
+        arrays: list[np.ndarray],
+        batch_size: int,
+        meta: Mapping[str, Any] | None,
+    ) -> Layout:
         entries, offset = [], 0
         for name, a in zip(names, arrays, strict=True):
             try:
@@ -142,8 +147,19 @@ class Packer:
             dtype, shape = DType(entries[0].dtype), arrays[0].shape[1:]
         blob = encode_meta(DataMeta(tuple(entries), dict(meta or {})))
         flags, pipeline_id, stage_id = self._fields
-        header = Header(Kind.DATA, flags, pipeline_id, stage_id, 0, 0, batch_size, len(blob),
-                        nbytes, dtype, shape)  # fmt: skip
+        header = Header(
+            Kind.DATA,
+            flags,
+            pipeline_id,
+            stage_id,
+            0,
+            0,
+            batch_size,
+            len(blob),
+            nbytes,
+            dtype,
+            shape,
+        )
         return Layout(tuple(e.offset for e in entries), nbytes, header.pack(blob) + blob)
 
 

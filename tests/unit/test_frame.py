@@ -50,8 +50,19 @@ def headers(draw: st.DrawFn) -> Header:
     if dtype:
         batch %= 256
         payload = batch * math.prod(shape) * dtype.numpy.itemsize
-    return Header(Kind(k % len(Kind) + 1), flags & Flag.OUT_OF_BAND, pipeline, stage, slot,
-                  request, batch, 0, payload, dtype, shape)  # fmt: skip
+    return Header(
+        Kind(k % len(Kind) + 1),
+        flags & Flag.OUT_OF_BAND,
+        pipeline,
+        stage,
+        slot,
+        request,
+        batch,
+        0,
+        payload,
+        dtype,
+        shape,
+    )
 
 
 def wire(header: Header, meta: bytes = b"") -> bytes:
