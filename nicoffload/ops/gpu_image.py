@@ -102,59 +102,76 @@ __device__ __forceinline__ unsigned char emit<unsigned char>(unsigned int v, flo
   return (unsigned char)v;
 }
 
+// The taps of every output column and row of every item, once per batch: entry = (first tap,
+// tap count, weights...), kx + 2 ints per column and ky + 2 per row. Count 0: padding.
+__global__ void taps_table(const long long* __restrict__ desc, int* __restrict__ tab,
+                           int antialias, int kx, int ky, int wmax, int hmax) {
+  const int item = blockIdx.y, o = blockIdx.x * blockDim.x + threadIdx.x;
+  const long long* d = desc + (long long)DESC * item;
+  int* tx = tab + (long long)item * (wmax * (kx + 2) + hmax * (ky + 2));
+  int* ty = tx + wmax * (kx + 2);
+  const int sh = (int)d[1], sw = (int)d[2], rh = (int)d[6], rw = (int)d[7];
+  const int top = (int)d[8], left = (int)d[9], oh = (int)d[11], ow = (int)d[12];
+  const bool live = d[0] != 0;
+  if (o < wmax) {
+    int* e = tx + o * (kx + 2);
+    int rx = o + left, f = 0, n = 0;
+    if (live && o < ow && rx >= 0 && rx < rw) n = taps(rx, sw, rw, antialias, e + 2, &f);
+    e[0] = f;
+    e[1] = n;
+  }
+  if (o < hmax) {
+    int* e = ty + o * (ky + 2);
+    int ry = o + top, f = 0, n = 0;
+    if (live && o < oh && ry >= 0 && ry < rh) n = taps(ry, sh, rh, antialias, e + 2, &f);
+    e[0] = f;
+    e[1] = n;
+  }
+}
+
 // One block = a TWxTH tile of one item's output window; blockIdx.z = item. The window origin
 // (top, left) is in resized coordinates; pixels outside the resized image are padding (value 0).
 template <typename T>
 __global__ void __launch_bounds__(TW * TH) resample(
-    const long long* __restrict__ desc, int C, int chw, int antialias, int kx, int ky,
+    const long long* __restrict__ desc, const int* __restrict__ tab, int wmax, int hmax,
+    int C, int chw, int kx, int ky,
     float a0, float a1, float a2, float a3, float b0, float b1, float b2, float b3) {
   extern __shared__ int smem[];
-  int* wx = smem;            // TW * kx
-  int* wy = wx + TW * kx;    // TH * ky
-  int* xs = wy + TH * ky;    // first tap per column
-  int* xn = xs + TW;         // taps per column (0: padding)
-  int* ys = xn + TW;
-  int* yn = ys + TH;
-  unsigned char* tmp = (unsigned char*)(yn + TH);  // rows x TW x C, horizontal pass
+  const int ex = kx + 2, ey = ky + 2;
+  int* ct = smem;            // TW x (first, count, kx weights)
+  int* rt = ct + TW * ex;    // TH x (first, count, ky weights)
+  unsigned char* tmp = (unsigned char*)(rt + TH * ey);  // rows x TW x C, horizontal pass
 
   const long long* d = desc + (long long)DESC * blockIdx.z;
   const unsigned char* src = (const unsigned char*)d[0];
-  const int sh = (int)d[1], sw = (int)d[2];
   const long long sc = d[3], sy = d[4], sx = d[5];
-  const int rh = (int)d[6], rw = (int)d[7], top = (int)d[8], left = (int)d[9];
   T* dst = (T*)d[10];
   const int oh = (int)d[11], ow = (int)d[12];
   const int ox0 = blockIdx.x * TW, oy0 = blockIdx.y * TH;
   if (ox0 >= ow || oy0 >= oh) return;  // the same for the whole block
   const int tid = threadIdx.x;
   const bool live = src != 0;
-
-  if (tid < TW) {
-    int rx = ox0 + tid + left, f = 0, n = 0;
-    if (live && ox0 + tid < ow && rx >= 0 && rx < rw) n = taps(rx, sw, rw, antialias, wx + tid * kx, &f);
-    xs[tid] = f;
-    xn[tid] = n;
-  } else if (tid < TW + TH) {
-    int t = tid - TW, ry = oy0 + t + top, f = 0, n = 0;
-    if (live && oy0 + t < oh && ry >= 0 && ry < rh) n = taps(ry, sh, rh, antialias, wy + t * ky, &f);
-    ys[t] = f;
-    yn[t] = n;
-  }
+  const int* tx = tab + (long long)blockIdx.z * (wmax * ex + hmax * ey);
+  const int* ty = tx + wmax * ex;
+  for (int i = tid; i < TW * ex; i += TW * TH)
+    ct[i] = (ox0 + i / ex < wmax) ? tx[ox0 * ex + i] : 0;
+  for (int i = tid; i < TH * ey; i += TW * TH)
+    rt[i] = (oy0 + i / ey < hmax) ? ty[oy0 * ey + i] : 0;
   __syncthreads();
 
   int r0 = 0x7fffffff, r1 = 0;
   for (int t = 0; t < TH; t++) {
-    if (yn[t] > 0) {
-      r0 = min(r0, ys[t]);
-      r1 = max(r1, ys[t] + yn[t]);
+    if (live && rt[t * ey + 1] > 0) {
+      r0 = min(r0, rt[t * ey]);
+      r1 = max(r1, rt[t * ey] + rt[t * ey + 1]);
     }
   }
   const int nrows = r1 > r0 ? r1 - r0 : 0;
   for (int i = tid; i < nrows * TW; i += TW * TH) {
-    const int r = i / TW, col = i - r * TW, n = xn[col];
+    const int r = i / TW, col = i - r * TW, n = ct[col * ex + 1];
     if (n == 0) continue;
-    const unsigned char* row = src + (long long)(r0 + r) * sy + (long long)xs[col] * sx;
-    const int* w = wx + col * kx;
+    const unsigned char* row = src + (long long)(r0 + r) * sy + (long long)ct[col * ex] * sx;
+    const int* w = ct + col * ex + 2;
     for (int c = 0; c < C; c++) {
       const unsigned char* p = row + c * sc;
       int acc = 1 << (PREC - 1);
@@ -164,18 +181,19 @@ __global__ void __launch_bounds__(TW * TH) resample(
   }
   __syncthreads();
 
-  const int tx = tid % TW, ty = tid / TW, ox = ox0 + tx, oy = oy0 + ty;
+  const int cx = tid % TW, cy = tid / TW, ox = ox0 + cx, oy = oy0 + cy;
   if (ox >= ow || oy >= oh) return;
-  const bool inside = xn[tx] > 0 && yn[ty] > 0;
+  const int ny = rt[cy * ey + 1];
+  const bool inside = live && ct[cx * ex + 1] > 0 && ny > 0;
   for (int c = 0; c < C; c++) {
     const float a = c == 0 ? a0 : c == 1 ? a1 : c == 2 ? a2 : a3;
     const float b = c == 0 ? b0 : c == 1 ? b1 : c == 2 ? b2 : b3;
     unsigned int v = 0;
     if (inside) {
-      const int* w = wy + ty * ky;
-      const unsigned char* p = tmp + ((ys[ty] - r0) * TW + tx) * C + c;
+      const int* w = rt + cy * ey + 2;
+      const unsigned char* p = tmp + ((rt[cy * ey] - r0) * TW + cx) * C + c;
       int acc = 1 << (PREC - 1);
-      for (int k = 0; k < yn[ty]; k++) acc += (int)p[k * TW * C] * w[k];
+      for (int k = 0; k < ny; k++) acc += (int)p[k * TW * C] * w[k];
       v = clip8(acc);
     }
     T out = live ? emit<T>(v, a, b) : (T)0;
@@ -206,49 +224,51 @@ __device__ __forceinline__ void store16(unsigned char* p, const unsigned char* v
 }
 
 // normalize of a dense batch: contiguous (N, H, W, 3) uint8, H*W % 16 == 0, 16-byte aligned.
-// One thread = 16 pixels: three 16-byte loads, 16-byte stores.
+// blockIdx.y = image; one thread = 16 pixels: three 16-byte loads, 16-byte stores.
 template <typename T>
-__global__ void affine_dense(const unsigned char* __restrict__ src, T* __restrict__ dst,
-                             long long groups, long long hw, int chw,
-                             float a0, float a1, float a2, float b0, float b1, float b2) {
-  const long long step = (long long)gridDim.x * blockDim.x;
-  for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups; g += step) {
-    const uint4* p = (const uint4*)(src + g * 48);
-    uint4 q0 = __ldg(p), q1 = __ldg(p + 1), q2 = __ldg(p + 2);
-    const unsigned int wd[12] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
-                                 q2.x, q2.y, q2.z, q2.w};
-    T r[16], gg[16], bb[16];
+__global__ void __launch_bounds__(256) affine_dense(
+    const unsigned char* __restrict__ src, T* __restrict__ dst, int hw, int chw,
+    float a0, float a1, float a2, float b0, float b1, float b2) {
+  const int q = (blockIdx.x * blockDim.x + threadIdx.x) * 16;
+  if (q >= hw) return;
+  const long long n = blockIdx.y;
+  const uint4* p = (const uint4*)(src + (n * hw + q) * 3);
+  uint4 q0 = __ldg(p), q1 = __ldg(p + 1), q2 = __ldg(p + 2);
+  const unsigned int wd[12] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
+                               q2.x, q2.y, q2.z, q2.w};
+  T r[16], gg[16], bb[16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) {
+    r[i] = emit<T>((wd[(3 * i) >> 2] >> (((3 * i) & 3) * 8)) & 255u, a0, b0);
+    gg[i] = emit<T>((wd[(3 * i + 1) >> 2] >> (((3 * i + 1) & 3) * 8)) & 255u, a1, b1);
+    bb[i] = emit<T>((wd[(3 * i + 2) >> 2] >> (((3 * i + 2) & 3) * 8)) & 255u, a2, b2);
+  }
+  if (chw) {
+    T* base = dst + n * 3 * hw + q;
+    store16(base, r);
+    store16(base + hw, gg);
+    store16(base + 2 * (long long)hw, bb);
+  } else {
+    T v[48];
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-      r[i] = emit<T>((wd[(3 * i) >> 2] >> (((3 * i) & 3) * 8)) & 255u, a0, b0);
-      gg[i] = emit<T>((wd[(3 * i + 1) >> 2] >> (((3 * i + 1) & 3) * 8)) & 255u, a1, b1);
-      bb[i] = emit<T>((wd[(3 * i + 2) >> 2] >> (((3 * i + 2) & 3) * 8)) & 255u, a2, b2);
+      v[3 * i] = r[i];
+      v[3 * i + 1] = gg[i];
+      v[3 * i + 2] = bb[i];
     }
-    if (chw) {
-      const long long n = (g * 16) / hw, q = g * 16 - n * hw;
-      T* base = dst + n * 3 * hw + q;
-      store16(base, r);
-      store16(base + hw, gg);
-      store16(base + 2 * hw, bb);
-    } else {
-      T v[48];
-#pragma unroll
-      for (int i = 0; i < 16; i++) {
-        v[3 * i] = r[i];
-        v[3 * i + 1] = gg[i];
-        v[3 * i + 2] = bb[i];
-      }
-      T* base = dst + g * 48;
-      store16(base, v);
-      store16(base + 16, v + 16);
-      store16(base + 32, v + 32);
-    }
+    T* base = dst + (n * hw + q) * 3;
+    store16(base, v);
+    store16(base + 16, v + 16);
+    store16(base + 32, v + 32);
   }
 }
 """
 
 _CTYPES = {"uint8": "unsigned char", "float32": "float", "float16": "unsigned short"}
-_NAMES = tuple(f"{k}<{t}>" for k in ("resample", "affine_dense") for t in _CTYPES.values())
+_NAMES = (
+    "taps_table",
+    *(f"{k}<{t}>" for k in ("resample", "affine_dense") for t in _CTYPES.values()),
+)
 _OPTIONS = ("--std=c++17", "--fmad=false")
 
 
@@ -346,7 +366,8 @@ class _Launch:
     args: tuple
     smem: int
     result: Any
-    desc: Any  # kept alive until the launch has been issued
+    buffers: Any  # descriptors and taps table, kept alive until the launches are issued
+    taps: tuple  # grid and arguments of the taps-table kernel
 
 
 class _ImageKernel:
@@ -366,12 +387,12 @@ class _ImageKernel:
         mod = self.gpu.module(CUDA_SOURCE, _NAMES, _OPTIONS)
         ctype = _CTYPES[self.chain.out_dtype]
         self.resample = mod.get_function(f"resample<{ctype}>")
+        self.taps_table = mod.get_function("taps_table")
         self.dense = mod.get_function(f"affine_dense<{ctype}>")
         self.smem_set = 48 * 1024
         a, b = (self.chain.norm[0], self.chain.norm[1]) if self.chain.norm else ((1.0,), (0.0,))
         pad = 4 - len(a)
         self.ab = tuple(np.float32(v) for v in (*a, *([0.0] * pad), *b, *([0.0] * pad)))
-        self.sms = self.gpu.torch.cuda.get_device_properties(self.gpu.index).multi_processor_count
         self._geometry = functools.lru_cache(maxsize=4096)(self.geometry)
 
     def geometry(self, h: int, w: int, c: int) -> tuple[int, ...]:
@@ -431,25 +452,43 @@ class _ImageKernel:
                 desc[at, 11:13] = g[:, 6:8]
             kx, ky, rows_max = (int(v) for v in g[:, 8:11].max(axis=0))
         gh, gw = int(desc[:, 11].max(initial=0)), int(desc[:, 12].max(initial=0))
-        smem = _smem(self.chain.channels, kx, ky, rows_max)
-        grid = (-(-gw // TILE_W), -(-gh // TILE_H), n) if gh and gw else None
+        torch = self.gpu.torch
+        d = torch.from_numpy(desc).to(self.gpu.device, non_blocking=True)
+        tab = torch.empty(
+            max(1, n * (gw * (kx + 2) + gh * (ky + 2))), dtype=torch.int32, device=d.device
+        )
         chw = self.chain.norm is not None and self.chain.norm[3] == "chw"
-        d = self.gpu.torch.from_numpy(desc).to(self.gpu.device, non_blocking=True)
+        i32 = np.int32
+        taps = (
+            (-(-max(gw, gh) // 128), n),
+            (
+                np.uint64(d.data_ptr()),
+                np.uint64(tab.data_ptr()),
+                *(i32(v) for v in (self.antialias, kx, ky, gw, gh)),
+            ),
+        )
+        grid = (-(-gw // TILE_W), -(-gh // TILE_H), n) if gh and gw else None
         args = (
             np.uint64(d.data_ptr()),
-            *(np.int32(v) for v in (self.chain.channels, chw, self.antialias, kx, ky)),
+            np.uint64(tab.data_ptr()),
+            *(i32(v) for v in (gw, gh, self.chain.channels, chw, kx, ky)),
             *self.ab,
         )
-        return _Launch(grid, args, smem, result, d)
+        smem = _smem(self.chain.channels, kx, ky, rows_max)
+        return _Launch(grid, args, smem, result, (d, tab), taps)
 
     def launch(self, launch: _Launch) -> None:
-        """The device half: one kernel for the whole batch, on the current stream."""
+        """The device half: the batch's taps table, then one resampling kernel, on the current
+        stream."""
         if launch.grid is None:
             return
         if launch.smem > self.smem_set:
             self.resample.max_dynamic_shared_size_bytes = launch.smem
             self.smem_set = launch.smem
-        _launch(self.gpu, self.resample, launch.grid, launch.args, launch.smem)
+        grid, args = launch.taps
+        with self.gpu.cupy_stream():
+            self.taps_table(grid, (128,), args)
+            self.resample(launch.grid, (TILE_W * TILE_H,), launch.args, shared_mem=launch.smem)
 
     def _dense_ok(self, items: Any, failed: dict | None) -> bool:
         torch = self.gpu.torch
@@ -473,20 +512,18 @@ class _ImageKernel:
         dtype = _torch_dtype(torch, self.chain.out_dtype)
         if out is None:
             out = self.gpu.empty((n, *self.chain.out_shape(h, w)), dtype)
-        groups = n * h * w // 16
-        blocks = max(1, min(-(-groups // 256), self.sms * 16))
+        blocks = -(-(h * w) // (16 * 256))
         a, b = self.ab[:3], self.ab[4:7]
         chw = int(self.chain.norm[3] == "chw")
         args = (
             np.uint64(items.data_ptr()),
             np.uint64(out.data_ptr()),
-            np.int64(groups),
-            np.int64(h * w),
+            np.int32(h * w),
             np.int32(chw),
             *a,
             *b,
         )
-        _launch(self.gpu, self.dense, (blocks,), args)
+        _launch(self.gpu, self.dense, (blocks, n), args)
         return out
 
     def _float(self, items: Any, out: Any, failed: dict | None) -> Any:
