@@ -206,11 +206,13 @@ def plan_for(
     max_latency_ms: float | None = None,
     explain: bool = False,
     catalog: Catalog | None = None,
+    time_limit_s: float = 20.0,
 ) -> Plan:
     """The best Plan for `pipeline` on `topology` (the local machine when None).
 
     Constraints given here override the pipeline's `slo`. `explain=True` adds per-resource
     loads, the latency path and the runner-up placement (with why it lost) to `plan.explain`.
+    A DAG's MILP that reaches `time_limit_s` returns its best plan with a note giving the gap.
     """
     if objective not in OBJECTIVES:
         raise PlanError(
@@ -226,10 +228,22 @@ def plan_for(
         max_latency_ms if max_latency_ms is not None else pipeline.slo_latency_ms,
     )
     allowed = allowed_mask(pipeline, topo, model)
-    best = solve(model, goal, allowed)
+    notes = profile_notes(profiles)
+    if is_chain(model):
+        best = solve_chain(model, goal, allowed)
+    else:
+        from nicoffload.planner.milp import solve_milp
+
+        result = solve_milp(model, goal, allowed, time_limit=time_limit_s)
+        best = result.placement
+        if best is not None and result.gap > 1e-6:
+            notes += (
+                f"the MILP stopped at its {time_limit_s:g} s time limit: this plan is proven "
+                f"within {result.gap:.1%} of the optimum, not optimal",
+            )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=profile_notes(profiles))
+    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
     if explain:
         from nicoffload.planner.explain import explanation
 
