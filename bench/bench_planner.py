@@ -101,7 +101,7 @@ def main() -> None:
 
     print(f"scipy {scipy.__version__} (HiGHS)")
     print(
-        "| objective | plan time, median of %d (s) | MILP gap | solves | predicted |" % args.repeat
+        f"| objective | plan time, median of {args.repeat} (s) | MILP gap | solves | predicted |"
     )
     print("|---|---|---|---|---|")
     for objective in ("throughput", "latency", "host-cpu"):

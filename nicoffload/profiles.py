@@ -203,6 +203,7 @@ def default_profile_for(kind: str) -> str:
 # costs with is the pixels actually decoded, see planner.cost.effective_work).
 IMAGE_SIZES = ((188, 250), (375, 500), (564, 752), (750, 1000))
 TOKEN_LENGTHS = (32, 128, 512)
+PHOTOS = 3  # photos per size: JPEG decode time depends on the content
 _IMAGE_PIPELINE = """\
 name: profile-image
 inputs: {{image: {{kind: bytes, format: jpeg, typical: {{height: {h}, width: {w}, bytes: {nbytes}}}}}}}
@@ -247,17 +248,18 @@ def _pipelines(directory: Path, quick: bool):
 
     sizes = IMAGE_SIZES[:3] if quick else IMAGE_SIZES
     for i, (h, w) in enumerate(sizes):
-        data = _jpeg(h, w, 0)
+        photos = [_jpeg(h, w, seed) for seed in range(PHOTOS)]
+        nbytes = sum(map(len, photos)) // len(photos)
         short = int(h * 0.7)
-        text = _IMAGE_PIPELINE.format(h=h, w=w, nbytes=len(data), short=short, crop=min(224, short))
+        text = _IMAGE_PIPELINE.format(h=h, w=w, nbytes=nbytes, short=short, crop=min(224, short))
         path = directory / f"image{i}.yaml"
         path.write_text(text)
-        yield load_pipeline(path), {"image": data}
+        yield load_pipeline(path), [{"image": data} for data in photos]
     for i, n in enumerate(TOKEN_LENGTHS[:2] if quick else TOKEN_LENGTHS):
         words = " ".join(sample_text(j)[1] for j in range(n // 8 + 1))[: int(n * 4.5)]
         path = directory / f"text{i}.yaml"
         path.write_text(_TEXT_PIPELINE.format(chars=len(words), tokens=n))
-        yield load_pipeline(path), {"text": words}
+        yield load_pipeline(path), [{"text": words}]
 
 
 def _time_ms(fn, args, budget_s: float) -> float:
@@ -293,6 +295,22 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(t.mean()), 0.0
 
 
+def _upstream(pipeline, kind: str, inputs: dict) -> dict:
+    """Every value of one item through the pipeline: the real inputs each kernel will read."""
+    import copy
+
+    from nicoffload import ops
+
+    values = dict(inputs)
+    for node in pipeline.nodes:
+        fn = ops.get_kernel(node.op, kind).build([node], pipeline.consumers(node.name))
+        out = fn(*(values[str(r)] for r in node.inputs))
+        outs = out if len(node.out_specs) > 1 else (out,)
+        for port, value in zip(node.out_specs, outs, strict=True):
+            values[node.name if port == "out" else f"{node.name}.{port}"] = copy.deepcopy(value)
+    return values
+
+
 def measure_kernels(
     kind: str, *, quick: bool = False, budget_s: float = 0.25, progress=None
 ) -> dict[str, KernelCost]:
@@ -309,17 +327,9 @@ def measure_kernels(
         cases = list(_pipelines(Path(tmp), quick))
         if progress:
             progress(total=len(cases) * len(kernels))
-        for pipeline, inputs in cases:
-            values = dict(inputs)
+        for pipeline, variants in cases:
             nodes = list(pipeline.nodes)
-            for node in nodes:  # the real upstream values each kernel will read
-                fn = ops.get_kernel(node.op, kind).build([node], pipeline.consumers(node.name))
-                out = fn(*(values[str(r)] for r in node.inputs))
-                outs = out if len(node.out_specs) > 1 else (out,)
-                for port, value in zip(node.out_specs, outs, strict=True):
-                    values[node.name if port == "out" else f"{node.name}.{port}"] = __import__(
-                        "copy"
-                    ).deepcopy(value)
+            valuesets = [_upstream(pipeline, kind, inputs) for inputs in variants]
             ops_seq = [n.op for n in nodes]
             for k in kernels:
                 at = next(
@@ -329,11 +339,13 @@ def measure_kernels(
                 if at is not None:
                     chain = nodes[at : at + len(k.ops)]
                     fn = k.build(chain, pipeline.consumers(chain[-1].name))
-                    ms = _time_ms(fn, [values[str(r)] for r in chain[0].inputs], budget_s)
-                    key = "+".join(k.ops)
-                    points.setdefault(key, []).append(
-                        (chain_work(pipeline, [n.name for n in chain]), ms)
+                    share = budget_s / len(valuesets)
+                    ms = sum(
+                        _time_ms(fn, [v[str(r)] for r in chain[0].inputs], share) for v in valuesets
                     )
+                    key = "+".join(k.ops)
+                    work = chain_work(pipeline, [n.name for n in chain])
+                    points.setdefault(key, []).append((work, ms / len(valuesets)))
                     units[key] = chain[0].opdef().work_unit
                 if progress:
                     progress(advance=1)
