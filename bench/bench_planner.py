@@ -100,9 +100,7 @@ def main() -> None:
     import scipy
 
     print(f"scipy {scipy.__version__} (HiGHS)")
-    print(
-        f"| objective | plan time, median of {args.repeat} (s) | MILP gap | solves | predicted |"
-    )
+    print(f"| objective | plan time, median of {args.repeat} (s) | MILP gap | solves | predicted |")
     print("|---|---|---|---|---|")
     for objective in ("throughput", "latency", "host-cpu"):
         times, res = [], None
