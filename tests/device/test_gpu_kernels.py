@@ -196,24 +196,3 @@ def test_failed_rows_are_skipped_and_zeroed(gpu, tmp_path):
             ref.resize(imgs[2], {"shorter": 256, "longer": None, "size": None}), (224, 224)
         ),
     )
-
-
-def test_cpu_kernels_agree_with_gpu_kernels_where_both_exist(gpu, tmp_path):
-    chain = ("resize", "center_crop", "normalize")
-    try:
-        cpu = ops.get_kernel(chain, "cpu")
-    except KeyError:
-        pytest.skip("no CPU kernel for resize+center_crop+normalize registered yet")
-    fn, nodes = build(
-        tmp_path,
-        "  - {name: resize, op: resize, in: decode, params: {shorter: 256}}\n"
-        "  - {name: crop, op: center_crop, in: resize, params: {size: [224, 224]}}\n"
-        f"  - {{name: last, op: normalize, in: crop, params: {{mean: {MEAN}, std: {STD}, dtype: float32}}}}\n",
-        chain,
-    )
-    cpu_fn = cpu.build(nodes, ())
-    imgs = images(9)
-    got = host(fn(imgs))
-    for i, img in enumerate(imgs):
-        want = np.array(cpu_fn(img), copy=True)
-        ref.assert_close_to_dtype(got[i], want.astype(np.float64), "float32")
