@@ -27,6 +27,9 @@ import numpy as np
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 RESNET = "pipelines/resnet50.yaml"
+# torchvision keeps one nvJPEG decoder per process and rebuilds it (leaking the old one) when
+# the device argument changes ("cuda" vs "cuda:0"): every method here names the same device.
+CUDA0 = "cuda:0"
 
 
 # --- data: realistic JPEGs from scikit-image's photographs ------------------------------------
@@ -310,7 +313,7 @@ def recipe_fn(torch, tvio):
 
     def run(batch: list[bytes]):
         imgs = tvio.decode_jpeg(
-            [torch.frombuffer(b, dtype=torch.uint8) for b in batch], device="cuda"
+            [torch.frombuffer(b, dtype=torch.uint8) for b in batch], device=CUDA0
         )
         crops = torch.empty((len(imgs), 3, 224, 224), device="cuda")
         for i, img in enumerate(imgs):
@@ -344,7 +347,7 @@ def decode_only_fn(torch, tvio, pinned: bool):
                 o += (n + 255) // 256 * 256
         else:
             ts = [torch.frombuffer(b, dtype=torch.uint8) for b in batch]
-        return tvio.decode_jpeg(ts, device="cuda")
+        return tvio.decode_jpeg(ts, device=CUDA0)
 
     return run
 
@@ -381,7 +384,7 @@ def gil_probe(torch, batch: list[bytes]) -> float:
         return n / (time.perf_counter() - t0)
 
     sleeping = rate(lambda: time.sleep(0.3))
-    decoding = rate(lambda: [tvio.decode_jpeg(ts, device="cuda") for _ in range(10)])
+    decoding = rate(lambda: [tvio.decode_jpeg(ts, device=CUDA0) for _ in range(10)])
     return decoding / sleeping
 
 
