@@ -17,7 +17,7 @@ import numpy as np
 
 from nicoffload.graph import Pipeline, load_pipeline
 from nicoffload.inputs import values_items
-from nicoffload.planner.plan import Plan, single_device_plan
+from nicoffload.planner.plan import Plan
 from nicoffload.runtime.executor import Batch, Executor, ItemFailure
 
 
@@ -88,13 +88,23 @@ class RunResult:
 
 
 def prepare(
-    pipeline: Pipeline | str | Path, plan: Plan | str | Path | None = None
+    pipeline: Pipeline | str | Path,
+    plan: Plan | str | Path | None = None,
+    topology: str | Path | None = None,
 ) -> tuple[Pipeline, Plan]:
-    """The pipeline and the plan to run it with (the host-only plan when none is given)."""
+    """The pipeline and the plan to run it with: the given plan, else one planned now.
+
+    Without a topology the local machine's host CPU is planned for: the executor in this
+    version runs host stages only (split DPU/GPU execution joins it with the agent runtime).
+    """
     if not isinstance(pipeline, Pipeline):
         pipeline = load_pipeline(pipeline)
     if plan is None:
-        plan = single_device_plan(pipeline, "cpu")
+        from nicoffload.planner import plan_for
+        from nicoffload.topology import local_topology
+
+        topo = topology if topology is not None else local_topology(emulate_dpu=False, gpu=False)
+        plan = plan_for(pipeline, topo)
     elif not isinstance(plan, Plan):
         source = str(plan)
         plan = Plan.load(plan)
@@ -132,11 +142,16 @@ def stream(
         steps = ex.step_ms_per_item()
         for stage in ex.stages:
             names = [st.name for st in stage.steps]
+            measured = float(sum(steps[n] for n in names))
+            predicted = stage.plan.predicted_ms_per_item
             stats.stages[stage.plan.name] = {
                 "device": stage.plan.device,
                 "nodes": list(stage.plan.nodes),
-                "ms_per_item": round(float(sum(steps[n] for n in names)), 4),
-                "predicted_ms_per_item": stage.plan.predicted_ms_per_item,
+                "ms_per_item": round(measured, 4),
+                "predicted_ms_per_item": None if predicted is None else round(predicted, 4),
+                "error_pct": None
+                if predicted is None or measured == 0
+                else round(100 * (predicted - measured) / measured, 1),
                 "steps": {n: round(float(steps[n]), 4) for n in names},
             }
 
@@ -146,6 +161,7 @@ def run(
     inputs: Iterable[Any],
     *,
     plan: Plan | str | Path | None = None,
+    topology: str | Path | None = None,
     workers: int | None = None,
 ) -> RunResult:
     """Run a pipeline over `inputs` and return every output as numpy arrays in item order.
@@ -153,7 +169,7 @@ def run(
     `inputs`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name to
     value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`, not raised.
     """
-    pipeline, plan = prepare(pipeline, plan)
+    pipeline, plan = prepare(pipeline, plan, topology)
     stats = RunStats()
     names: list[str] = []
     parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}

@@ -67,11 +67,7 @@ def build_app() -> typer.Typer:
     import importlib
 
     for name in ("pipeline", "run", "plan", "profile"):
-        try:
-            importlib.import_module(f"nicoffload.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"nicoffload.cli.{name}":  # a command still being written is absent
-                raise
+        importlib.import_module(f"nicoffload.cli.{name}")
     return app
 
 

@@ -29,7 +29,7 @@ def summary_table(stats: RunStats) -> Table:
     t.add_row("host CPU", f"{doc['host_cpu_ms_per_item']:.3f} ms/item")
     for name, st in doc["stages"].items():
         pred = st.get("predicted_ms_per_item")
-        extra = f"   (predicted {pred:.3f})" if pred is not None else ""
+        extra = f"   (predicted {pred:.3f}, {st['error_pct']:+.0f}%)" if pred is not None else ""
         t.add_row(f"stage {name}", f"{st['ms_per_item']:.3f} ms/item on {st['device']}{extra}")
         for step, ms in st["steps"].items():
             t.add_row(f"  {step}", f"{ms:.3f} ms/item")
@@ -49,7 +49,10 @@ def run(
     output: Path | None = typer.Option(
         None, "--output", help="write outputs as .npy files + items.json here"
     ),
-    plan: Path | None = typer.Option(None, "--plan", help="a plan from `nicoffload plan --json`"),
+    plan: Path | None = typer.Option(None, "--plan", help="a plan from `nicoffload plan --output`"),
+    topology: Path | None = typer.Option(
+        None, "--topology", help="plan for this topology file (default: this machine's host CPU)"
+    ),
     workers: int | None = typer.Option(
         None, "--workers", min=1, help="worker threads (default: usable cores)"
     ),
@@ -60,7 +63,7 @@ def run(
     per-stage time and host-CPU time. Corrupt items are counted by reason, never fatal."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
-    pl, the_plan = prepare(pipeline, plan)
+    pl, the_plan = prepare(pipeline, plan, topology)
     err = Console(stderr=True)
     if sample is not None:
         with err.status(f"making {sample} sample items"):
