@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
 from nicoffload.errors import TransportError
+from nicoffload.transport.frame import MAX_PAYLOAD
 from nicoffload.transport.slots import Delivery, Tensors
 
 __all__ = ["Delivery", "Receiver", "Sender", "Tensors", "connect", "listen", "register_scheme"]
@@ -127,8 +128,9 @@ def connect(
 
 def listen(address: str, *, slots: int, slot_bytes: int) -> Receiver:
     """A Receiver with a ring of `slots` x `slot_bytes` bytes, waiting for one sender."""
-    if not 1 <= slots <= MAX_SLOTS or slot_bytes < 1:
+    if not (1 <= slots <= MAX_SLOTS and 1 <= slot_bytes <= MAX_PAYLOAD):
         raise ValueError(
-            f"need 1 <= slots <= {MAX_SLOTS} and slot_bytes >= 1, got {slots}, {slot_bytes}"
+            f"need 1 <= slots <= {MAX_SLOTS} and 1 <= slot_bytes <= {MAX_PAYLOAD}, "
+            f"got {slots}, {slot_bytes}"
         )
     return _module(address).listen(address, slots=slots, slot_bytes=slot_bytes)

@@ -18,6 +18,7 @@ from nicoffload.transport.frame import FIELD_OFFSETS, HEADER_SIZE, MAX_META, Hea
 
 STAGING = 2 * (HEADER_SIZE + MAX_META)  # read buffer: a whole frame head always fits
 DIRECT = 32 * 1024  # payload remainders this big are read straight into the destination
+READ_SIZE = 16 * 1024  # a read for a frame head asks for this much: many small frames at once
 IO_TIMEOUT = 30.0  # a peer silent this long in the middle of a frame is gone
 IOV_MAX = 1024
 MEMO = 4096  # control frames (no metadata) remembered, parsed: a credit is parsed once
@@ -122,7 +123,10 @@ class Channel:
             self._start, self._end = 0, len(rest)
         while self._end - self._start < n:
             at_boundary = boundary and self._start == self._end
-            k = self._recv(self._buf[self._end :], mid_frame=not at_boundary)
+            # Read what this frame head needs and a little more: more would drag payload bytes
+            # through the staging buffer (a second copy) instead of straight into the slot.
+            stop = min(STAGING, max(self._end + READ_SIZE, self._start + n))
+            k = self._recv(self._buf[self._end : stop], mid_frame=not at_boundary)
             if k == 0:
                 return False
             self._end += k

@@ -278,6 +278,9 @@ class Inbox(Ledger):
     def put(self, delivery: Delivery) -> None:
         self._queue.put(delivery)
 
+    def empty(self) -> bool:
+        return self._final is None and self._queue.empty()
+
     def end(self, error: BaseException | None = None) -> None:
         """No more deliveries: EOF, or `error` raised by every later recv."""
         self._queue.put(self._EOF if error is None else error)

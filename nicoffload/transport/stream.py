@@ -4,20 +4,22 @@ credits, and a recv that reads frames in the caller's thread. Subclasses move th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
-from nicoffload.transport.base import Receiver, Sender
+from nicoffload.transport.base import MAX_SLOTS, Receiver, Sender
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import (
+    MAX_PAYLOAD,
     OUT_OF_BAND,
     Header,
     Hello,
@@ -39,10 +41,11 @@ from nicoffload.transport.slots import (
 )
 
 HANDSHAKE_TIMEOUT = 10.0  # a connection that completes no handshake by then is dropped
+CREDIT_BATCH = 4  # credits go back in groups of slots // CREDIT_BATCH (at least 1)
 log = logging.getLogger(__name__)
 _SHUTDOWN = encode(Header(Kind.SHUTDOWN))
-_EOF = object()
-_DONTWAIT = int(socket.MSG_DONTWAIT)  # the sender said SHUTDOWN: recv returns None from then on
+_EOF = object()  # the sender said SHUTDOWN: recv returns None from then on
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # goodbyes are best effort: never block on them
 
 
 def _expect(ch: Channel, kind: Kind, timeout: float) -> bytes:
@@ -78,6 +81,10 @@ class StreamSender(Sender):
         try:
             self._ch.send(encode(Header(Kind.HELLO), Hello(self.transport)))
             welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
+            if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
+                raise FrameError(
+                    f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
+                )
             self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
             self._attach(welcome)
             self._ch.send(encode(Header(Kind.ACK)))
@@ -209,7 +216,11 @@ class StreamReceiver(Receiver):
         self._ready = threading.Event()  # set when a sender is connected, or never will be
         self._final: object = None  # _EOF or the error, for good
         self._closed = False
-        self._credits: dict[int, bytes] = {}
+        self._credits: dict[int, bytes] = {}  # the CREDIT frame of each slot, packed once
+        self._pending: list[bytes] = []  # credits held back, to send in one write
+        self._credit_batch = max(1, slots // CREDIT_BATCH)
+        self._credit_lock = threading.Lock()
+        self._recv_waits = False
         self._helper = threading.Thread(target=self._serve, name=f"recv {address}", daemon=True)
         self._helper.start()
 
@@ -288,12 +299,19 @@ class StreamReceiver(Receiver):
                 raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self.read_ahead:
-                return self._inbox.get(left, timeout)
+                if not self._inbox.empty():
+                    return self._inbox.get(left, timeout)
+                with self._waiting():
+                    return self._inbox.get(left, timeout)
             while self._final is None:
                 ch = self._ch
                 assert ch is not None
-                if not ch.readable(left):
-                    raise TransportError(f"receiver at {self.address}: no batch within {timeout} s")
+                if not ch.readable(0):
+                    with self._waiting():
+                        if not ch.readable(left):
+                            raise TransportError(
+                                f"receiver at {self.address}: no batch within {timeout} s"
+                            )
                 delivery = self._next(ch)
                 if delivery is not None:
                     return self._inbox.hand_out(delivery)
@@ -338,13 +356,35 @@ class StreamReceiver(Receiver):
         return None
 
     def release(self, delivery: Delivery) -> None:
-        ch = self._ch
-        if not self._inbox.take_back(delivery) or ch is None:
+        """Credits go back in groups of slots // CREDIT_BATCH (fewer syscalls and wakeups on
+        both sides), and all at once as soon as a recv waits: a sender never waits for a slot
+        released while this side waits too."""
+        if not self._inbox.take_back(delivery) or self._ch is None:
             return
         credit = self._credits.get(delivery.slot)
         if credit is None:
             credit = self._credits[delivery.slot] = encode(Header(Kind.CREDIT, slot=delivery.slot))
-        ch.post(credit)  # if the sender is gone, recv reports how
+        with self._credit_lock:
+            self._pending.append(credit)
+            if len(self._pending) < self._credit_batch and not self._recv_waits:
+                return
+        self._flush_credits()
+
+    def _flush_credits(self) -> None:
+        with self._credit_lock:
+            frames, self._pending = b"".join(self._pending), []
+        if frames and self._ch is not None:
+            self._ch.post(frames)  # if the sender is gone, recv reports how
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Around a recv that is about to block: first return every credit held back."""
+        self._recv_waits = True  # before the flush: a release racing with it sends its own
+        try:
+            self._flush_credits()
+            yield
+        finally:
+            self._recv_waits = False
 
     def close(self) -> None:
         with self._lock:

@@ -103,7 +103,7 @@ def test_pack_then_unpack_gives_the_same_header(header: Header, meta: bytes) -> 
     assert head_size(raw) == HEADER_SIZE + len(meta)
 
 
-@settings(FAST, max_examples=1500)
+@settings(FAST, max_examples=1000)
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_only_frame_error(data: bytes) -> None:
     with pytest.raises(FrameError):
@@ -131,7 +131,7 @@ def test_truncated_frames_raise_frame_error(
         Header.unpack(raw[:cut])
 
 
-@settings(FAST, max_examples=800)
+@settings(FAST, max_examples=600)
 @given(st.binary(min_size=60, max_size=60 + 64), st.integers(0, 1 << 40))
 def test_random_frames_with_valid_checksums_raise_only_frame_error(data: bytes, limit: int) -> None:
     meta = data[60:]

@@ -9,6 +9,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
@@ -16,7 +17,15 @@ import numpy as np
 import pytest
 
 from nicoffload.errors import FrameError, TransportError
-from nicoffload.transport import Receiver, Sender, connect, listen
+from nicoffload.transport import (
+    Delivery,
+    Receiver,
+    Sender,
+    connect,
+    listen,
+    register_scheme,
+    schemes,
+)
 from nicoffload.transport.frame import HEADER_SIZE, Header, Hello, Kind, decode_meta, encode
 
 TRANSPORTS = ["inproc", "shm", "tcp"]
@@ -75,6 +84,27 @@ def roundtrip(tx: Sender, rx: Receiver, tensors: object, **kw: object) -> dict[s
     delivery = rx.recv(timeout=5)
     assert delivery is not None
     return delivery.tensors
+
+
+def roundtrip_delivery(tx: Sender, rx: Receiver) -> Delivery:
+    tx.send([np.zeros(1)], timeout=5)
+    delivery = rx.recv(timeout=5)
+    assert delivery is not None
+    return delivery
+
+
+class Waiter:
+    """A recv running in another thread."""
+
+    def __init__(self, rx: Receiver) -> None:
+        self._got: list[Delivery | None] = []
+        self._thread = threading.Thread(target=lambda: self._got.append(rx.recv(timeout=10)))
+        self._thread.start()
+
+    def result(self, timeout: float) -> Delivery | None:
+        self._thread.join(timeout)
+        assert self._got, "recv did not return"
+        return self._got[0]
 
 
 # --- bytes ------------------------------------------------------------------------------------
@@ -171,6 +201,25 @@ def test_release_returns_the_slot_to_the_sender(pair: tuple[Sender, Receiver]) -
     assert delivery is not None
     rx.release(delivery)
     assert tx.send([np.zeros(1)], timeout=5) == delivery.slot
+
+
+def test_released_slots_reach_the_sender_when_the_receiver_waits(open_pair: Pair) -> None:
+    tx, rx = open_pair(slots=8)
+    held = [roundtrip_delivery(tx, rx) for _ in range(8)]
+    rx.release(held[0])  # credits may be held back a while, but not past a waiting recv:
+    waiter = Waiter(rx)
+    assert tx.send([np.ones(1)], timeout=5) == held[0].slot
+    assert waiter.result(5) is not None
+
+
+def test_a_release_while_recv_waits_reaches_the_sender(open_pair: Pair) -> None:
+    tx, rx = open_pair(slots=8)
+    held = [roundtrip_delivery(tx, rx) for _ in range(8)]
+    waiter = Waiter(rx)
+    time.sleep(0.05)  # let it block
+    rx.release(held[3])  # from another thread than the waiting recv
+    assert tx.send([np.ones(1)], timeout=5) == held[3].slot
+    assert waiter.result(5) is not None
 
 
 def test_a_blocked_sender_resumes_after_release(open_pair: Pair) -> None:
@@ -314,6 +363,18 @@ def test_connecting_where_nothing_listens_raises(kind: str) -> None:
 def test_an_unknown_scheme_is_refused_with_the_known_ones() -> None:
     with pytest.raises(TransportError, match="inproc, shm, tcp"):
         connect("rdmx://host:1")
+
+
+def test_a_scheme_is_registered_once() -> None:
+    assert {"inproc", "shm", "tcp"} <= set(schemes())
+    with pytest.raises(ValueError, match="already registered"):
+        register_scheme("tcp", "somewhere.else")
+
+
+@pytest.mark.parametrize(("slots", "slot_bytes"), [(0, 64), ((1 << 16) + 1, 64), (1, 0)])
+def test_a_ring_that_the_header_cannot_address_is_refused(slots: int, slot_bytes: int) -> None:
+    with pytest.raises(ValueError, match="slots"):
+        listen("inproc://never", slots=slots, slot_bytes=slot_bytes)
 
 
 # --- leaks ------------------------------------------------------------------------------------
