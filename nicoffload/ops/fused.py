@@ -27,13 +27,8 @@ def _crop_geometry(node, h: int, w: int):
 @kernel(("resize", "center_crop", "normalize"), "cpu")
 def resize_crop_normalize_cpu(nodes, consumers):
     """One pass: only the cropped pixels are resampled, normalized by table into `out`."""
-    from nicoffload.ops._imgkern import (
-        Scratch,
-        contiguous_out,
-        fill_border,
-        resample_window,
-        warm_inputs,
-    )
+    from nicoffload.ops._imgkern import Scratch, contiguous_out, fill_border, warm_inputs
+    from nicoffload.ops._resample import resample_window
     from nicoffload.ops.normalize import Normalizer
 
     resize, crop, norm_node = nodes
@@ -50,7 +45,7 @@ def resize_crop_normalize_cpu(nodes, consumers):
             out = scratch.get("out", norm.shape(ch, cw, c), norm.dtype)
         dst = out.view(np.uint16) if out.dtype == np.float16 else out
         fill_border(dst, pad, *inner, norm.chw)
-        resample_window(x, (oh, ow), window, antialias, scratch, dst, offset, norm.lut, norm.chw)
+        resample_window(x, (oh, ow), window, antialias, dst, offset, norm.lut, norm.chw)
         return out
 
     fn = contiguous_out(fn)
@@ -62,13 +57,8 @@ def resize_crop_normalize_cpu(nodes, consumers):
 @kernel(("resize", "center_crop"), "cpu")
 def resize_crop_cpu(nodes, consumers):
     """One pass: only the cropped pixels are resampled, straight into `out`."""
-    from nicoffload.ops._imgkern import (
-        Scratch,
-        contiguous_out,
-        fill_border,
-        resample_window,
-        warm_inputs,
-    )
+    from nicoffload.ops._imgkern import Scratch, contiguous_out, fill_border, warm_inputs
+    from nicoffload.ops._resample import resample_window
 
     resize, crop = nodes
     antialias = resize.params["antialias"]
@@ -81,7 +71,7 @@ def resize_crop_cpu(nodes, consumers):
         if out is None:
             out = scratch.get("out", (ch, cw, c))
         fill_border(out, np.zeros(c, np.uint8), *inner, False)
-        resample_window(x, (oh, ow), window, antialias, scratch, out, offset)
+        resample_window(x, (oh, ow), window, antialias, out, offset)
         return out
 
     fn = contiguous_out(fn)

@@ -2,7 +2,7 @@
 
 Bilinear with antialias semantics of PIL and torchvision's `antialias=True` (the triangle filter
 widened by the scale factor when shrinking). The output size follows torchvision's `Resize`.
-The CPU/DPU kernel (numba, Pillow's exact fixed-point arithmetic) is below the semantics.
+The CPU/DPU kernel (numba, Pillow's fixed-point arithmetic, within one level of Pillow) is below.
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def resize(params, in_specs):
 
 @kernel("resize", "cpu")
 def resize_cpu(nodes, consumers):
-    """Pillow-exact separable resampling in numba; coefficient tables cached per size pair."""
-    from nicoffload.ops._imgkern import Scratch, contiguous_out, resample_window, warm_inputs
+    """Pillow's resampling in numba, vertical pass first (within one level of Pillow), both
+    passes vectorized; coefficient tables cached per size pair."""
+    from nicoffload.ops._imgkern import Scratch, contiguous_out, warm_inputs
+    from nicoffload.ops._resample import resample_window
 
     (node,) = nodes
     params = node.params
@@ -81,7 +83,7 @@ def resize_cpu(nodes, consumers):
         oh, ow = output_size(params, h, w)
         if out is None:
             out = scratch.get("out", (oh, ow, c))
-        resample_window(x, (oh, ow), (0, oh, 0, ow), antialias, scratch, out)
+        resample_window(x, (oh, ow), (0, oh, 0, ow), antialias, out)
         return out
 
     fn = contiguous_out(fn)
