@@ -1,0 +1,90 @@
+"""The agent's configuration: defaults, then a TOML file (`--config`), then command-line flags.
+
+Every key of `agent.example.toml` is a field of AgentConfig; an unknown key or a wrong type is a
+UserError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpu_agents.protocol import DEFAULT_MAX_REQUEST_BYTES
+from nicoffload.errors import Mark, UserError
+from nicoffload.yamlmarks import did_you_mean
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    listen: str = "127.0.0.1:7070"  # loopback unless told otherwise
+    token_file: str = ""
+    cores: int = 0  # 0: every core this process may run on
+    metrics: str = ""  # HOST:PORT of the Prometheus endpoint; empty: none
+    max_connections: int = 64
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    window: int = 256  # REQUEST credits per session (bounds the agent's memory per client)
+    handshake_timeout_s: float = 10.0  # authenticate within this or be dropped
+    idle_timeout_s: float = 60.0  # an authenticated client silent this long is dropped
+    io_timeout_s: float = 30.0  # a peer silent this long in the middle of a frame is dropped
+    forward_timeout_s: float = 60.0  # the next placement holds every slot this long: fail
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight work gets this long to finish
+    dedup_window: int = 1 << 20  # request ids remembered per session for exactly-once
+    log_level: str = "info"
+
+    def replace(self, **changes: Any) -> AgentConfig:
+        """A copy with the given (non-None) fields changed and checked."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return _checked(dataclasses.replace(self, **changes), Mark("<command line>", 1, 1))
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+
+
+def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
+    for name in ("max_connections", "max_request_bytes", "window", "dedup_window"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"'{name}' must be at least 1, got {getattr(cfg, name)}", mark)
+    if cfg.cores < 0:
+        raise UserError(f"'cores' must be >= 0, got {cfg.cores}", mark)
+    for name in _FIELDS:
+        if name.endswith("_s") and getattr(cfg, name) <= 0:
+            raise UserError(f"'{name}' must be positive, got {getattr(cfg, name)}", mark)
+    for name in ("listen", "metrics"):
+        value = getattr(cfg, name)
+        if value:
+            split_hostport(value, name, mark)
+    return cfg
+
+
+def split_hostport(text: str, what: str = "address", mark: Mark | None = None) -> tuple[str, int]:
+    """('127.0.0.1', 7070) from '127.0.0.1:7070' ('[::1]:7070' for IPv6)."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"'{what}' must be HOST:PORT, got {text!r}", mark)
+    return host, int(port)
+
+
+def load_config(path: str | Path | None) -> AgentConfig:
+    """The defaults overridden by the TOML file at `path` (None: the defaults)."""
+    if path is None:
+        return AgentConfig()
+    mark = Mark(str(path), 1, 1)
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read the config file: {exc.strerror}", mark) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"not valid TOML: {exc}", mark) from None
+    values = doc.get("agent", doc)  # keys at the top level or under [agent]
+    for key, value in values.items():
+        field = _FIELDS.get(key)
+        if field is None:
+            raise UserError(f"unknown key '{key}'{did_you_mean(key, list(_FIELDS))}", mark)
+        want = {"int": int, "float": (int, float), "str": str}[str(field.type)]
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise UserError(f"'{key}' must be of type {field.type}, got {value!r}", mark)
+    return _checked(AgentConfig(**values), mark)

@@ -1,0 +1,309 @@
+"""One client connection to the agent: authentication, then the control calls and the ingress.
+
+Whatever arrives is checked before it is used. A malformed or unexpected frame gets an ERROR
+(request_id 0) and the connection is closed; a request whose values are wrong fails as an item
+(`bad_request`) and the connection goes on. Nothing read here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from dpu_agents import auth
+from dpu_agents.logs import log_event
+from dpu_agents.protocol import (
+    CALLS,
+    MAX_LOAD_BYTES,
+    PROTOCOL,
+    AuthMeta,
+    ChallengeMeta,
+    HelloMeta,
+    LoadAck,
+    LoadMeta,
+    RequestMeta,
+    WelcomeMeta,
+    frame,
+    split_request,
+)
+from dpu_agents.session import Session
+from dpu_agents.stagebuild import build_stage
+from nicoffload.errors import AgentError, FrameError, TransportError
+from nicoffload.transport import connect
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import DType, Header, Kind, decode_meta, error_frame
+
+if TYPE_CHECKING:
+    from dpu_agents.server import Agent
+
+log = logging.getLogger("dpu_agents.connection")
+FORWARD_SCHEMES = ("tcp://", "shm://")
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+
+
+class Refused(Exception):
+    """Authentication failed; the client is told why, in general terms, and the agent logs it."""
+
+
+class Connection:
+    def __init__(self, agent: Agent, sock: socket.socket, peer: str) -> None:
+        self.agent, self.peer, self.cfg = agent, peer, agent.config
+        self.ch = Channel(sock, f"client {peer}", io_timeout=self.cfg.io_timeout_s)
+        self.session: Session | None = None
+        self._lock = threading.Lock()
+        self._outstanding = 0  # requests whose credit the client has not got back
+        self._busy = False  # a LOAD or DRAIN is running on its helper thread
+        self._done = False  # the reader has finished: a LOAD finishing late must not stay
+        self.thread = threading.Thread(target=self.serve, name=f"conn {peer}", daemon=True)
+
+    def serve(self) -> None:
+        try:
+            self._handshake()
+            self._loop()
+        except Refused as exc:
+            self.agent.metrics.error("auth")
+            log_event(log, logging.WARNING, "auth_refused", peer=self.peer, reason=str(exc))
+            self.ch.post(error_frame(AgentError(f"authentication failed: {exc}")), _DONTWAIT)
+        except FrameError as exc:
+            self.agent.metrics.error("bad_frame")
+            log_event(log, logging.WARNING, "bad_frame", peer=self.peer, error=str(exc))
+            self.ch.post(error_frame(exc), _DONTWAIT)
+        except (TransportError, AgentError) as exc:
+            log_event(log, logging.INFO, "connection_lost", peer=self.peer, error=str(exc))
+        except Exception as exc:  # a bug here must cost one connection, never the agent
+            self.agent.metrics.error("internal")
+            log.exception("connection failed", extra={"fields": {"peer": self.peer}})
+            self.ch.post(error_frame(AgentError(f"internal error: {exc!r}")), _DONTWAIT)
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done = True
+            session = self.session
+        if session is not None:
+            session.close(self.cfg.drain_timeout_s)
+        self.ch.shutdown()
+        self.ch.close()
+        self.agent.forget(self)
+
+    def stop(self) -> None:
+        """Wake the reader: it sees EOF and finishes the session."""
+        self.ch.shutdown()
+
+    # --- authentication --------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        hello = self._first(Kind.HELLO, HelloMeta, deadline)
+        if hello.protocol != PROTOCOL:
+            raise Refused(f"protocol {hello.protocol!r}, this agent speaks {PROTOCOL}")
+        nonce = auth.nonce()
+        self.ch.send(frame(Kind.CHALLENGE, ChallengeMeta(nonce, self.agent.name)))
+        answer = self._first(Kind.AUTH, AuthMeta, deadline)
+        if len(answer.nonce) != auth.NONCE_BYTES:
+            raise Refused(f"a client nonce of {len(answer.nonce)} bytes")
+        try:
+            auth.check(
+                auth.client_proof(self.agent.token, nonce, answer.nonce), answer.proof, "client"
+            )
+        except AgentError:
+            raise Refused("wrong token") from None
+        proof = auth.server_proof(self.agent.token, nonce, answer.nonce)
+        welcome = WelcomeMeta(proof, self.agent.name, self.agent.pool.n, self.cfg.max_request_bytes)
+        self.ch.send(frame(Kind.WELCOME, welcome))
+        log_event(log, logging.INFO, "authenticated", peer=self.peer, client=hello.client)
+
+    def _first(self, kind: Kind, type_: Any, deadline: float) -> Any:
+        if not self.ch.readable(deadline - time.monotonic()):
+            raise Refused(f"no {kind.name} within {self.cfg.handshake_timeout_s} s")
+        got = self.ch.read_head(0)
+        if got is None:
+            raise Refused(f"closed before {kind.name}")
+        if got[0].kind is not kind:
+            raise Refused(f"{got[0].kind.name} before authentication (expected {kind.name})")
+        try:
+            return decode_meta(got[1], type_)
+        except FrameError as exc:
+            raise Refused(f"malformed {kind.name}: {exc}") from None
+
+    # --- after authentication --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        limit = max(self.cfg.max_request_bytes, MAX_LOAD_BYTES)
+        while True:
+            if not self.ch.readable(self.cfg.idle_timeout_s):
+                raise TransportError(f"silent for {self.cfg.idle_timeout_s} s")
+            got = self.ch.read_head(limit)
+            if got is None:
+                return
+            header, meta = got
+            if header.kind is Kind.REQUEST:
+                self._request(header, meta)
+            elif header.kind in CALLS:
+                self._call(header, meta)
+            elif header.kind is Kind.ERROR:
+                raise TransportError("the client reported an error")
+            else:
+                raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
+
+    def _payload(self, header: Header, limit: int) -> bytes:
+        if header.dtype is not DType.NONE:
+            raise FrameError(f"malformed frame: dtype: {header.kind.name} carries raw bytes")
+        if header.payload_len > limit:
+            raise FrameError(
+                f"malformed frame: payload_len: {header.payload_len} > {limit} "
+                f"for {header.kind.name}"
+            )
+        buf = bytearray(header.payload_len)
+        self.ch.read_into(memoryview(buf))
+        return bytes(buf)
+
+    def _request(self, header: Header, blob: bytes) -> None:
+        meta = decode_meta(blob, RequestMeta)
+        payload = self._payload(header, self.cfg.max_request_bytes)
+        session = self.session
+        if session is None:
+            raise FrameError("malformed frame: kind: REQUEST before LOAD")
+        with self._lock:
+            self._outstanding += 1
+            if self._outstanding > self.cfg.window:
+                raise FrameError(
+                    f"malformed frame: kind: REQUEST without credit ({self.cfg.window})"
+                )
+        self.agent.metrics.request(len(payload))
+        values, reject = None, ("", "")
+        try:
+            values = self._values(session, meta, payload)
+        except ValueError as exc:
+            reject = ("bad_request", str(exc))
+        if self.agent.draining:
+            values, reject = None, ("agent_draining", "the agent is shutting down")
+        if not session.admit(header.request_id, values, reject):
+            self.agent.metrics.duplicate()
+            self._credit(1)
+
+    @staticmethod
+    def _values(session: Session, meta: RequestMeta, payload: bytes) -> dict[str, Any]:
+        values = split_request(meta, payload)
+        inputs = session.built.pipeline.inputs
+        if set(values) != set(inputs):
+            raise ValueError(f"inputs {sorted(values)}, the pipeline takes {sorted(inputs)}")
+        for name, spec in inputs.items():
+            if (spec.dtype == "str") != isinstance(values[name], str):
+                raise ValueError(
+                    f"input {name!r} must be {'text' if spec.dtype == 'str' else 'bytes'}"
+                )
+        return values
+
+    def _credit(self, n: int) -> None:
+        with self._lock:
+            self._outstanding -= n
+        self.ch.post(frame(Kind.CREDIT, batch_size=n))
+
+    def _call(self, header: Header, blob: bytes) -> None:
+        call = header.request_id
+        payload = self._payload(header, MAX_LOAD_BYTES if header.kind is Kind.LOAD else 0)
+        if header.kind is Kind.HEARTBEAT:
+            self.ch.send(frame(Kind.HEARTBEAT, request_id=call))
+        elif header.kind is Kind.STATS:
+            self.ch.send(frame(Kind.STATS, self.agent.stats(), request_id=call))
+        elif header.kind is Kind.SHUTDOWN:
+            log_event(log, logging.INFO, "shutdown_requested", peer=self.peer)
+            self.ch.send(frame(Kind.ACK, {"shutdown": True}, request_id=call))
+            self.agent.request_stop()
+        else:
+            load = decode_meta(blob, LoadMeta) if header.kind is Kind.LOAD else None
+            with self._lock:
+                if self._busy:
+                    self._reply_error(call, AgentError("another LOAD or DRAIN is still running"))
+                    return
+                self._busy = True
+            threading.Thread(
+                target=self._slow_call, args=(header.kind, call, load, payload), daemon=True
+            ).start()
+
+    def _slow_call(self, kind: Kind, call: int, load: LoadMeta | None, payload: bytes) -> None:
+        try:
+            if kind is Kind.LOAD:
+                assert load is not None
+                reply: Any = self._load(load, payload)
+            else:
+                reply = self._drain()
+            self.ch.send(frame(Kind.ACK, reply, request_id=call))
+        except Exception as exc:  # the call fails, the connection goes on
+            self._reply_error(call, exc)
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _reply_error(self, call: int, exc: BaseException) -> None:
+        if not isinstance(exc, (AgentError, TransportError)):
+            log.exception("call failed", extra={"fields": {"peer": self.peer}})
+        self.ch.post(error_frame(exc, request_id=call))
+
+    def _load(self, load: LoadMeta, payload: bytes) -> LoadAck:
+        if self.session is not None:
+            raise AgentError("a stage is already loaded on this connection; open another")
+        if not load.forward_to.startswith(FORWARD_SCHEMES):
+            raise AgentError(f"forward_to {load.forward_to!r}: expected tcp://... or shm://...")
+        if not 0 <= load.yaml_bytes <= len(payload):
+            raise AgentError(f"yaml_bytes {load.yaml_bytes} > the payload of {len(payload)}")
+        try:
+            yaml_text = payload[: load.yaml_bytes].decode("utf-8")
+            plan_text = payload[load.yaml_bytes :].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise AgentError(f"the pipeline or plan is not utf-8: {exc}") from None
+        t0 = time.perf_counter()
+        built = build_stage(
+            yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms
+        )
+        sender = connect(load.forward_to, timeout=self.cfg.handshake_timeout_s)
+        try:
+            session = Session(
+                built,
+                sender,
+                self.agent.pool,
+                self.agent.metrics,
+                on_credit=self._credit,
+                on_fatal=self._fatal,
+                forward_timeout=self.cfg.forward_timeout_s,
+                dedup_window=self.cfg.dedup_window,
+            )
+        except BaseException:
+            sender.close()
+            raise
+        with self._lock:
+            if not self._done:
+                self.session = session
+        if self.session is not session:
+            session.close(0.1)
+            raise AgentError("the connection closed while the stage was loading")
+        log_event(
+            log,
+            logging.INFO,
+            "stage_loaded",
+            peer=self.peer,
+            pipeline=built.pipeline.name,
+            stage=load.stage,
+            forward_to=load.forward_to,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+        return LoadAck(session.name, self.cfg.window, built.outputs())
+
+    def _drain(self) -> dict[str, Any]:
+        s = self.session
+        if s is None:
+            return {"drained": True, "forwarded": 0}
+        ok = s.drain(self.cfg.drain_timeout_s)
+        if not ok:
+            raise AgentError(f"drain: {s.admitted - s.forwarded} requests still in flight")
+        return {"drained": True, "forwarded": s.forwarded}
+
+    def _fatal(self, exc: BaseException) -> None:
+        """The session cannot go on (its receiver is gone): tell the client, then hang up."""
+        self.ch.post(error_frame(AgentError(f"forwarding failed: {exc}")), _DONTWAIT)
+        self.ch.shutdown()

@@ -1,0 +1,121 @@
+"""The agent's measurements: Prometheus metrics in the agent's own registry (served by
+`--metrics HOST:PORT`), and the same numbers as a plain dict for the STATS reply.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as PromCounter
+
+# Per-item stage time: from tens of microseconds (a crop) to a second (a huge decode).
+STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+class Metrics:
+    """Counters the agent updates; `snapshot()` is the STATS document."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = PromCounter(
+            "nicoffload_agent_requests", "Requests admitted at the ingress", registry=r
+        )
+        self._duplicates = PromCounter(
+            "nicoffload_agent_duplicate_requests", "Requests dropped as duplicates", registry=r
+        )
+        self._errors = PromCounter(
+            "nicoffload_agent_errors", "Errors by reason", ["reason"], registry=r
+        )
+        self._items = PromCounter(
+            "nicoffload_agent_items", "Items processed, by outcome", ["outcome"], registry=r
+        )
+        self._batches = PromCounter(
+            "nicoffload_agent_batches", "Batches forwarded to the next placement", registry=r
+        )
+        self._bytes = PromCounter(
+            "nicoffload_agent_bytes", "Bytes moved", ["direction"], registry=r
+        )
+        self._stage = Histogram(
+            "nicoffload_agent_stage_seconds",
+            "Time of one item in a stage",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self._queue = Gauge("nicoffload_agent_queue_depth", "Items waiting", ["queue"], registry=r)
+        self._connections = Gauge(
+            "nicoffload_agent_connections", "Open client connections", registry=r
+        )
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._reasons: Counter[str] = Counter()
+        self._stage_s: Counter[str] = Counter()
+        self._stage_n: Counter[str] = Counter()
+        self._depth: dict[str, int] = {}
+
+    def request(self, nbytes: int) -> None:
+        self._requests.inc()
+        self._bytes.labels("in").inc(nbytes)
+        with self._lock:
+            self._counts["requests"] += 1
+            self._counts["bytes_in"] += nbytes
+
+    def duplicate(self) -> None:
+        self._duplicates.inc()
+        with self._lock:
+            self._counts["duplicates"] += 1
+
+    def error(self, reason: str) -> None:
+        self._errors.labels(reason).inc()
+        with self._lock:
+            self._reasons[reason] += 1
+
+    def item(self, stage: str, seconds: float, ok: bool) -> None:
+        self._stage.labels(stage).observe(seconds)
+        self._items.labels("ok" if ok else "failed").inc()
+        with self._lock:
+            self._stage_s[stage] += seconds
+            self._stage_n[stage] += 1
+            self._counts["items_ok" if ok else "items_failed"] += 1
+
+    def batch(self, nbytes: int) -> None:
+        self._batches.inc()
+        self._bytes.labels("out").inc(nbytes)
+        with self._lock:
+            self._counts["batches"] += 1
+            self._counts["bytes_out"] += nbytes
+
+    def depth(self, queue: str, n: int) -> None:
+        self._queue.labels(queue).set(n)
+        with self._lock:
+            self._depth[queue] = n
+
+    def connections(self, n: int) -> None:
+        self._connections.set(n)
+        with self._lock:
+            self._counts["connections"] = n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            keys = (
+                "requests",
+                "duplicates",
+                "items_ok",
+                "items_failed",
+                "batches",
+                "bytes_in",
+                "bytes_out",
+                "connections",
+            )
+            doc: dict[str, Any] = {k: self._counts[k] for k in keys}
+            doc["errors"] = dict(self._reasons)
+            doc["queue_depth"] = dict(self._depth)
+            doc["stages"] = {
+                s: {"items": n, "ms_per_item": round(self._stage_s[s] * 1e3 / n, 4)}
+                for s, n in self._stage_n.items()
+            }
+        return doc

@@ -1,0 +1,224 @@
+"""The DPU agent daemon: `nicoffload-agent --listen HOST:PORT --token-file FILE [--cores N]`.
+
+An Agent accepts client connections (each authenticated, each with at most one loaded stage),
+runs the stages' items on a worker pool of `cores` threads, and on SIGTERM or a SHUTDOWN call
+drains the work in flight, then exits 0. It prints one JSON line on stdout once it listens:
+`{"event": "listening", "address": "127.0.0.1:43211"}`; logs go to stderr as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from dpu_agents import auth, logs
+from dpu_agents.config import AgentConfig, load_config, split_hostport
+from dpu_agents.connection import Connection
+from dpu_agents.logs import log_event
+from dpu_agents.metrics import Metrics
+from dpu_agents.session import WorkerPool
+from nicoffload.errors import NicoffloadError, UserError
+from nicoffload.transport.frame import error_frame
+
+log = logging.getLogger("dpu_agents.server")
+
+
+class Agent:
+    """The daemon's state: listener, connections, worker pool, metrics. `serve()` blocks until
+    `request_stop()` (a signal, a SHUTDOWN call), then drains and closes everything."""
+
+    def __init__(self, config: AgentConfig, token: bytes) -> None:
+        self.config, self.token = config, token
+        self.name = socket.gethostname()
+        self.metrics = Metrics()
+        self.draining = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: set[Connection] = set()
+        host, port = split_hostport(config.listen, "listen")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=64)
+        except OSError as exc:
+            raise NicoffloadError(f"agent: cannot listen on {config.listen}: {exc}") from exc
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        self.address = f"{shown}:{self._listener.getsockname()[1]}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.pool = WorkerPool(config.cores or len(os.sched_getaffinity(0)))
+        self._http: Any = None
+        self.metrics_address = ""
+        if config.metrics:
+            self._start_metrics(config.metrics)
+        self._acceptor = threading.Thread(target=self._accept_loop, name="accept", daemon=True)
+        self._acceptor.start()
+
+    def _start_metrics(self, where: str) -> None:
+        from prometheus_client import start_http_server
+
+        host, port = split_hostport(where, "metrics")
+        self._http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        self.metrics_address = f"{host}:{self._http.server_port}"
+
+    def _accept_loop(self) -> None:
+        poll = select.poll()
+        poll.register(self._listener, select.POLLIN)
+        poll.register(self._wake_r, select.POLLIN)
+        while not self._stop.is_set():
+            poll.poll()
+            if self._stop.is_set():
+                break
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:  # EMFILE and friends: wait a little, keep serving
+                log_event(log, logging.ERROR, "accept_failed", error=str(exc))
+                time.sleep(0.05)
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                full = len(self._connections) >= self.config.max_connections
+                conn = None if full else Connection(self, sock, peer)
+                if conn is not None:
+                    self._connections.add(conn)
+                n = len(self._connections)
+            if conn is None:
+                self.metrics.error("too_many_connections")
+                log_event(log, logging.WARNING, "connection_refused", peer=peer, reason="full")
+                self._refuse(sock)
+                continue
+            self.metrics.connections(n)
+            conn.thread.start()
+
+    @staticmethod
+    def _refuse(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(error_frame(NicoffloadError("too many connections")), socket.MSG_DONTWAIT)
+        sock.close()
+
+    def forget(self, conn: Connection) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+            n = len(self._connections)
+        self.metrics.connections(n)
+
+    def stats(self) -> dict[str, Any]:
+        doc = self.metrics.snapshot()
+        doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
+        with self._lock:
+            sessions = [c.session for c in self._connections if c.session is not None]
+        doc["sessions"] = {
+            s.name: {"admitted": s.admitted, "forwarded": s.forwarded} for s in sessions
+        }
+        return doc
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        """Block until asked to stop, then drain and close (bounded by drain_timeout_s)."""
+        while not self._stop.wait(0.5):
+            pass
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self.draining = True
+        log_event(log, logging.INFO, "draining")
+        self._wake_w.send(b"x")
+        self._acceptor.join(5.0)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        with self._lock:
+            conns = list(self._connections)
+        for c in conns:
+            if c.session is not None and not c.session.drain(max(0.0, deadline - time.monotonic())):
+                log_event(log, logging.WARNING, "drain_incomplete", peer=c.peer)
+        for c in conns:
+            c.stop()
+        for c in conns:
+            c.thread.join(max(0.1, deadline - time.monotonic()))
+        self.pool.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            s.close()
+        log_event(log, logging.INFO, "stopped", **self.metrics.snapshot())
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nicoffload-agent", description="The nicoffload DPU agent daemon."
+    )
+    p.add_argument("--config", help="TOML file (see agent.example.toml); flags override it")
+    p.add_argument("--listen", help="HOST:PORT to listen on (default 127.0.0.1:7070; port 0: any)")
+    p.add_argument("--token-file", help="file holding the shared secret (mode 600)")
+    p.add_argument("--cores", type=int, help="pin to N cores and run N worker threads")
+    p.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def pin_cores(n: int) -> list[int]:
+    """Restrict this process to the first `n` cores it may run on (a DPU's core share)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if n > len(allowed):
+        raise UserError(f"--cores {n}: only {len(allowed)} cores are available")
+    os.sched_setaffinity(0, allowed[:n])
+    return allowed[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config).replace(
+            listen=args.listen,
+            token_file=args.token_file,
+            cores=args.cores,
+            metrics=args.metrics,
+            log_level=args.log_level,
+        )
+        logs.setup(cfg.log_level)
+        if not cfg.token_file:
+            raise UserError("no token file: give --token-file FILE (or token_file in --config)")
+        token = auth.read_token(cfg.token_file)
+        cores = pin_cores(cfg.cores) if cfg.cores else sorted(os.sched_getaffinity(0))
+        agent = Agent(cfg, token)
+    except UserError as exc:
+        print(f"nicoffload-agent: {exc}", file=sys.stderr)
+        return 2
+    except NicoffloadError as exc:
+        print(f"nicoffload-agent: {exc}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.request_stop())
+    line = {"event": "listening", "address": agent.address, "cores": cores}
+    if agent.metrics_address:
+        line["metrics"] = agent.metrics_address
+    print(json.dumps(line), flush=True)
+    log_event(log, logging.INFO, "listening", address=agent.address, cores=cores, pid=os.getpid())
+    agent.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""A loaded stage: requests admitted once each (by id), batched, run on the agent's worker pool,
+and every batch's outputs forwarded, in order, to the next placement's receiver.
+
+Backpressure runs back to the client: the receiver holds its slots -> `send` blocks -> the batch
+ring is full -> the batcher stops -> requests queue -> their credits are not returned -> the
+client's `submit` blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpu_agents.logs import log_event
+from dpu_agents.metrics import Metrics
+from dpu_agents.stagebuild import Built
+from nicoffload.errors import ItemError, TransportError
+from nicoffload.runtime.buffers import BatchSlot, SlotRing
+from nicoffload.transport import Sender
+
+log = logging.getLogger("dpu_agents.session")
+BATCHES_IN_FLIGHT = 3  # batch slots per session: one filling, one running, one being sent
+_END = object()
+
+
+class WorkerPool:
+    """`n` threads running the items of every session; the kernels release the GIL."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"agent-worker-{i}", daemon=True)
+            for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    def depth(self) -> int:
+        return self._tasks.qsize()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            except BaseException:  # a task handles its own errors; this one is a bug
+                log.exception("worker task failed")
+
+    def close(self, timeout: float = 5.0) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+@dataclass
+class _Item:
+    request_id: int
+    values: dict[str, Any] | None  # None: rejected at the ingress, `reject` says why
+    reject: tuple[str, str] = ("", "")
+
+
+@dataclass
+class _Batch:
+    slot: BatchSlot
+    ids: list[int] = field(default_factory=list)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)
+    pending: int = 1  # the batcher's own hold until every row is dispatched
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_row(self, row: int = -1, reason: str = "", detail: str = "") -> None:
+        with self.lock:
+            if reason:
+                self.failed[row] = (reason, detail)
+            self.pending -= 1
+            if self.pending == 0:
+                self.done.set()
+
+
+class Session:
+    """One loaded stage. `admit` takes requests (False: a duplicate id); `close` finishes them."""
+
+    def __init__(
+        self,
+        built: Built,
+        sender: Sender,
+        pool: WorkerPool,
+        metrics: Metrics,
+        *,
+        on_credit: Callable[[int], None],
+        on_fatal: Callable[[BaseException], None],
+        forward_timeout: float,
+        dedup_window: int,
+    ) -> None:
+        self.built, self.sender, self.pool, self.metrics = built, sender, pool, metrics
+        self.name = built.stage.plan.name
+        self._on_credit, self._on_fatal = on_credit, on_fatal
+        self._forward_timeout, self._dedup_window = forward_timeout, dedup_window
+        self._ring = SlotRing(built.out_specs, built.batch_max_size, BATCHES_IN_FLIGHT)
+        self._ingress: queue.Queue[Any] = queue.Queue()
+        self._formed: queue.Queue[Any] = queue.Queue()
+        self._seen: dict[int, None] = {}  # insertion-ordered: the oldest id is evicted first
+        self._cond = threading.Condition()
+        self.admitted = self.forwarded = 0
+        self.broken: BaseException | None = None
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._batcher, name=f"batcher {self.name}", daemon=True),
+            threading.Thread(target=self._forwarder, name=f"forwarder {self.name}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # --- ingress ---------------------------------------------------------------------------
+
+    def admit(
+        self, request_id: int, values: dict[str, Any] | None, reject: tuple[str, str] = ("", "")
+    ) -> bool:
+        """Queue a request (values None: it fails with `reject`); False if its id was seen."""
+        with self._cond:
+            if request_id in self._seen or self._closed:
+                return False
+            self._seen[request_id] = None
+            if len(self._seen) > self._dedup_window:
+                del self._seen[next(iter(self._seen))]
+            self.admitted += 1
+        self._ingress.put(_Item(request_id, values, reject))
+        self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every admitted request is forwarded (or dropped, once broken)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.forwarded >= self.admitted, timeout)
+
+    def close(self, timeout: float) -> None:
+        """Finish the admitted requests (up to `timeout` s), then say goodbye to the receiver."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._ingress.put(_END)
+        self._threads[0].join(timeout)
+        self._threads[1].join(max(0.1, timeout))
+        self.sender.close()  # also wakes a forwarder blocked on a full receiver
+        for t in self._threads:
+            t.join(5.0)
+
+    # --- batching and running --------------------------------------------------------------
+
+    def _batcher(self) -> None:
+        b = self.built
+        ended = False
+        while not ended:
+            first = self._ingress.get()
+            if first is _END:
+                break
+            items = [first]
+            deadline = time.monotonic() + b.batch_max_wait_s
+            while len(items) < b.batch_max_size:
+                try:
+                    it = self._ingress.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if it is _END:
+                    ended = True
+                    break
+                items.append(it)
+            self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
+            batch = _Batch(self._ring.take())
+            batch.ids = [it.request_id for it in items]
+            batch.pending += len(items)
+            self._formed.put(batch)
+            for row, it in enumerate(items):
+                if self.broken is not None:
+                    batch.finish_row(row, "agent_failed", str(self.broken))
+                elif it.values is None:
+                    batch.finish_row(row, *it.reject)
+                else:
+                    self.pool.submit(
+                        lambda batch=batch, row=row, v=it.values: self._run(batch, row, v)
+                    )
+            self.metrics.depth("workers", self.pool.depth())
+            batch.finish_row()
+        self._formed.put(_END)
+
+    def _run(self, batch: _Batch, row: int, values: dict[str, Any]) -> None:
+        b = self.built
+        slot = batch.slot
+        dests = {k: slot.arrays[k][row] for k in slot.arrays}
+        n = len(b.stage.steps)
+        ns, cnt = [0] * n, [0] * n
+        reason = detail = ""
+        t0 = time.perf_counter()
+        try:
+            b.stage.process(values, dests, ns, cnt)
+            for k in slot.ragged:
+                slot.ragged[k][row] = np.array(values[k], copy=True)
+        except ItemError as exc:
+            reason, detail = exc.reason, exc.detail
+        except Exception as exc:  # a kernel bug fails the item, never the agent
+            reason, detail = "internal", f"{type(exc).__name__}: {exc}"
+            log_event(log, logging.ERROR, "item_failed", stage=self.name, error=detail)
+        self.metrics.item(self.name, time.perf_counter() - t0, not reason)
+        if reason:
+            self.metrics.error(reason)
+        batch.finish_row(row, reason, detail)
+
+    def _forwarder(self) -> None:
+        while (batch := self._formed.get()) is not _END:
+            batch.done.wait()
+            n = len(batch.ids)
+            if self.broken is None:
+                try:
+                    self._send(batch, n)
+                except (TransportError, ValueError) as exc:
+                    self.broken = exc
+                    self.metrics.error("forward")
+                    log_event(log, logging.ERROR, "forward_failed", stage=self.name, error=str(exc))
+                    self._on_fatal(exc)
+            self._ring.give(batch.slot)
+            with self._cond:
+                self.forwarded += n
+                self._cond.notify_all()
+            if self.broken is None:
+                self._on_credit(n)
+            self.metrics.depth("workers", self.pool.depth())
+
+    def _send(self, batch: _Batch, n: int) -> None:
+        slot = batch.slot
+        ok = np.ones(n, bool)
+        ok[list(batch.failed)] = False
+        tensors: dict[str, np.ndarray] = {}
+        for k, a in slot.arrays.items():
+            a[:n][~ok] = 0  # a failed row never carries a partial or stale result
+            tensors[k] = a[:n]
+        for k, rows in slot.ragged.items():
+            for row in range(n):
+                if ok[row]:
+                    tensors[f"{k}@{row}"] = rows[row]
+                rows[row] = None
+        cut = max(16, 32_000 // max(1, len(batch.failed)))  # keeps the meta under MAX_META
+        failed = {batch.ids[r]: [why, detail[:cut]] for r, (why, detail) in batch.failed.items()}
+        meta = {"request_ids": batch.ids, "failed": failed}
+        self.sender.send(
+            tensors, request_id=batch.ids[0], batch_size=n, meta=meta, timeout=self._forward_timeout
+        )
+        self.metrics.batch(sum(t.nbytes for t in tensors.values()))

@@ -1,0 +1,101 @@
+"""LOAD's work: the pipeline built from its YAML text (never unpickled), the plan's stage checked
+and bound to the DPU kernels, and the values that leave the stage (what gets forwarded).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpu_agents.protocol import OutputMeta
+from nicoffload.errors import AgentError, NicoffloadError
+from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
+from nicoffload.planner.plan import Plan
+from nicoffload.runtime.stage import Stage
+from nicoffload.transport.frame import DType
+
+MAX_BATCH = 4096
+MAX_WAIT_MS = 10_000.0
+
+
+@dataclass(frozen=True)
+class Built:
+    pipeline: Pipeline
+    stage: Stage
+    out_specs: dict[str, TensorSpec]  # value key -> spec, for every value leaving the stage
+    batch_max_size: int
+    batch_max_wait_s: float
+
+    def outputs(self) -> tuple[OutputMeta, ...]:
+        return tuple(
+            OutputMeta(k, s.dtype, tuple(s.shape) if s.static else None)  # type: ignore[arg-type]
+            for k, s in self.out_specs.items()
+        )
+
+
+def pipeline_from_text(text: str) -> Pipeline:
+    """Build a Pipeline from YAML text; relative file parameters cannot resolve on the agent
+    (shipped names like `bert-base-uncased` do)."""
+    with tempfile.TemporaryDirectory(prefix="nicoffload-agent-") as tmp:
+        path = Path(tmp) / "pipeline.yaml"
+        path.write_text(text, encoding="utf-8")
+        return load_pipeline(path)
+
+
+def build_stage(
+    yaml_text: str, plan_text: str, stage_name: str, batch_max_size: int, batch_max_wait_ms: float
+) -> Built:
+    """Everything LOAD needs before it connects the sender; AgentError says what is wrong."""
+    if not 1 <= batch_max_size <= MAX_BATCH:
+        raise AgentError(f"batch_max_size must be in 1..{MAX_BATCH}, got {batch_max_size}")
+    if not 0 <= batch_max_wait_ms <= MAX_WAIT_MS:
+        raise AgentError(f"batch_max_wait_ms must be in 0..{MAX_WAIT_MS}, got {batch_max_wait_ms}")
+    try:
+        pipeline = pipeline_from_text(yaml_text)
+        plan = Plan.from_json(json.loads(plan_text), "<plan from the client>")
+        plan.check_matches(pipeline)
+    except json.JSONDecodeError as exc:
+        raise AgentError(f"the plan is not JSON: {exc}") from None
+    except NicoffloadError as exc:
+        raise AgentError(f"cannot load the stage: {exc}") from None
+    stages = {s.name: s for s in plan.stages}
+    sp = stages.get(stage_name)
+    if sp is None:
+        raise AgentError(f"the plan has no stage {stage_name!r} (it has {sorted(stages)})")
+    if sp.kind != "dpu":
+        raise AgentError(f"stage {stage_name!r} is placed on {sp.device} ({sp.kind}), not a DPU")
+    inside = set(sp.nodes)
+    nodes = [pipeline.node(n) for n in sp.nodes]
+    for node in nodes:
+        for ref in node.inputs:
+            if not ref.is_input and ref.source not in inside:
+                raise AgentError(
+                    f"node '{node.name}' reads '{ref}' from another stage; "
+                    "an agent stage reads only the pipeline's inputs"
+                )
+    results = {str(r) for r in pipeline.outputs.values()}
+    out_specs: dict[str, TensorSpec] = {}
+    for node in nodes:
+        for port, spec in node.out_specs.items():
+            key = node.name if port == "out" else f"{node.name}.{port}"
+            read_outside = any(
+                str(r) == key
+                for c in pipeline.consumers(node.name)
+                if c.name not in inside
+                for r in c.inputs
+            )
+            if key in results or read_outside:
+                if spec.dtype in ("bytes", "str"):
+                    raise AgentError(f"value '{key}' ({spec}) cannot be forwarded as a tensor")
+                try:
+                    DType.of(spec.dtype)
+                except ValueError as exc:
+                    raise AgentError(f"value '{key}': {exc}") from None
+                out_specs[key] = spec
+    try:
+        stage = Stage(pipeline, sp, set(out_specs))
+    except NicoffloadError as exc:
+        raise AgentError(f"cannot bind stage {stage_name!r}: {exc}") from None
+    return Built(pipeline, stage, out_specs, batch_max_size, batch_max_wait_ms / 1000)
