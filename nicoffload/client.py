@@ -1,0 +1,474 @@
+"""Talking to a DPU agent: `AgentClient` (one authenticated connection: load a stage, submit
+requests, stats, drain, liveness) and `Client`, which runs a whole pipeline on an agent.
+
+The protocol is described in `dpu_agents.protocol`. An agent that closes, errs, or stays silent
+past `timeout` is dead: every later call raises AgentError, and so does a blocked `submit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpu_agents import auth
+from dpu_agents.protocol import (
+    AuthMeta,
+    ChallengeMeta,
+    HelloMeta,
+    LoadAck,
+    LoadMeta,
+    WelcomeMeta,
+    frame,
+    request_frame,
+)
+from nicoffload.errors import AgentError, FrameError, TransportError
+from nicoffload.graph import Pipeline, load_pipeline
+from nicoffload.inputs import values_items
+from nicoffload.planner.plan import Plan, single_device_plan
+from nicoffload.runner import RunResult, RunStats
+from nicoffload.runtime.executor import ItemFailure
+from nicoffload.transport import Delivery, listen
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import ErrorMeta, Kind, decode_meta
+from nicoffload.transport.slots import ALIGN
+
+LOAD_TIMEOUT = 300.0  # binding a stage compiles its kernels (numba) the first time
+
+
+def parse_agent_address(address: str) -> tuple[str, int]:
+    """('h', p) from 'h:p' or 'tcp://h:p' ('[::1]:p' for IPv6); AgentError if malformed."""
+    text = address.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise AgentError(f"bad agent address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class _Call:
+    __slots__ = ("done", "kind", "meta")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.kind: Kind | None = None
+        self.meta = b""
+
+
+class AgentClient:
+    """One authenticated connection to an agent, with at most one loaded stage."""
+
+    def __init__(
+        self,
+        address: str,
+        token: bytes,
+        *,
+        timeout: float = 10.0,
+        heartbeat_s: float | None = None,
+        client_name: str = "nicoffload",
+    ) -> None:
+        self.address, self.timeout = address, timeout
+        self._heartbeat_s = heartbeat_s or timeout / 4
+        host, port = parse_agent_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            raise AgentError(f"cannot connect to the agent at {address}: {exc}") from exc
+        self.local_host = sock.getsockname()[0]  # where the agent can reach this host
+        self._ch = Channel(sock, f"agent at {address}", io_timeout=timeout)
+        self._cond = threading.Condition()
+        self._calls: dict[int, _Call] = {}
+        self._next_call = 0
+        self._credits = 0
+        self._error: AgentError | None = None
+        self._closed = False
+        self.loaded: LoadAck | None = None
+        try:
+            self.agent = self._handshake(token, client_name)
+        except BaseException as exc:
+            self._ch.close()
+            if isinstance(exc, (TransportError, OSError)):
+                raise AgentError(f"agent at {address}: handshake failed: {exc}") from exc
+            raise
+        self._last_seen = time.monotonic()
+        self._reader = threading.Thread(target=self._read_loop, name="agent-reader", daemon=True)
+        self._beater = threading.Thread(target=self._heartbeat, name="agent-heartbeat", daemon=True)
+        self._reader.start()
+        self._beater.start()
+
+    def _handshake(self, token: bytes, client_name: str) -> WelcomeMeta:
+        self._ch.send(frame(Kind.HELLO, HelloMeta(client_name)))
+        challenge = decode_meta(self._expect(Kind.CHALLENGE), ChallengeMeta)
+        mine = auth.nonce()
+        proof = auth.client_proof(token, challenge.nonce, mine)
+        self._ch.send(frame(Kind.AUTH, AuthMeta(mine, proof)))
+        welcome = decode_meta(self._expect(Kind.WELCOME), WelcomeMeta)
+        auth.check(auth.server_proof(token, challenge.nonce, mine), welcome.proof, "agent")
+        return welcome
+
+    def _expect(self, kind: Kind) -> bytes:
+        if not self._ch.readable(self.timeout):
+            raise AgentError(f"agent at {self.address}: no {kind.name} within {self.timeout} s")
+        got = self._ch.read_head(0)
+        if got is None:
+            raise AgentError(f"agent at {self.address} closed the connection")
+        if got[0].kind is Kind.ERROR:
+            raise AgentError(f"agent at {self.address}: {_message(got[1])}")
+        if got[0].kind is not kind:
+            raise AgentError(f"agent at {self.address}: {got[0].kind.name}, expected {kind.name}")
+        return got[1]
+
+    # --- liveness ------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and not self._closed
+
+    def _die(self, why: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = AgentError(f"agent at {self.address}: {why}")
+            for call in self._calls.values():
+                call.done.set()
+            self._cond.notify_all()
+        self._ch.shutdown()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise AgentError(f"the connection to the agent at {self.address} is closed")
+
+    def _read_loop(self) -> None:
+        try:
+            while (got := self._ch.read_head(0)) is not None:
+                header, meta = got
+                self._last_seen = time.monotonic()
+                if header.kind is Kind.CREDIT:
+                    with self._cond:
+                        self._credits += header.batch_size
+                        self._cond.notify_all()
+                elif header.kind is Kind.ERROR and header.request_id == 0:
+                    return self._die(_message(meta))
+                elif header.kind in (Kind.ACK, Kind.STATS, Kind.HEARTBEAT, Kind.ERROR):
+                    with self._cond:
+                        call = self._calls.pop(header.request_id, None)
+                    if call is not None:
+                        call.kind, call.meta = header.kind, meta
+                        call.done.set()
+                else:
+                    raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
+            self._die("closed the connection")
+        except TransportError as exc:
+            self._die(str(exc))
+
+    def _heartbeat(self) -> None:
+        beat = frame(Kind.HEARTBEAT)  # request_id 0: a reply is matched to no call
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: not self.alive, self._heartbeat_s):
+                    return
+            silent = time.monotonic() - self._last_seen
+            if silent > self.timeout:
+                return self._die(f"no answer for {silent:.1f} s (timeout {self.timeout} s)")
+            if not self._ch.post(beat):
+                return self._die("the connection is broken")
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    def _call(
+        self, kind: Kind, meta: Any = None, payload: bytes = b"", timeout: float = 0
+    ) -> bytes:
+        with self._cond:
+            self._check()
+            self._next_call += 1
+            call_id, call = self._next_call, _Call()
+            self._calls[call_id] = call
+        timeout = timeout or self.timeout
+        try:
+            self._ch.send(frame(kind, meta, request_id=call_id, payload=len(payload)), [payload])
+        except TransportError as exc:
+            self._die(str(exc))
+        if not call.done.wait(timeout) or call.kind is None:
+            with self._cond:
+                self._calls.pop(call_id, None)
+            self._check()
+            raise AgentError(
+                f"agent at {self.address}: no answer to {kind.name} within {timeout} s"
+            )
+        if call.kind is Kind.ERROR:
+            raise AgentError(f"agent at {self.address}: {kind.name} failed: {_message(call.meta)}")
+        return call.meta
+
+    def load(
+        self,
+        pipeline_yaml_text: str,
+        plan: Plan,
+        stage: str,
+        forward_to: str,
+        *,
+        batch_max_size: int,
+        batch_max_wait_ms: float,
+        timeout: float = LOAD_TIMEOUT,
+    ) -> LoadAck:
+        """Build the pipeline on the agent, bind `stage` of `plan`, and connect its outputs to
+        the receiver listening at `forward_to`. Returns the session, credits and outputs."""
+        if self.loaded is not None:
+            raise AgentError("a stage is already loaded on this connection; open another")
+        yaml_bytes = pipeline_yaml_text.encode()
+        payload = yaml_bytes + json.dumps(plan.to_json()).encode()
+        meta = LoadMeta(
+            stage, forward_to, batch_max_size, float(batch_max_wait_ms), len(yaml_bytes)
+        )
+        ack = decode_meta(self._call(Kind.LOAD, meta, payload, timeout), LoadAck)
+        with self._cond:
+            self.loaded = ack
+            self._credits += ack.window
+            self._cond.notify_all()
+        return ack
+
+    def submit(
+        self, request_id: int, values: Mapping[str, bytes | str], *, timeout: float | None = None
+    ) -> None:
+        """Send one request to the ingress; blocks while the agent holds every credit
+        (AgentError once the agent is dead, or after `timeout` s if one is given)."""
+        head, parts = request_frame(request_id, dict(values))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if self.loaded is None:
+                raise AgentError("no stage is loaded on this connection: call load() first")
+            while self._credits <= 0:
+                self._check()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise AgentError(f"agent at {self.address}: no credit within {timeout} s")
+                self._cond.wait(left)
+            self._check()
+            self._credits -= 1
+        try:
+            self._ch.send(head, parts)
+        except TransportError as exc:
+            self._die(str(exc))
+            self._check()
+
+    def stats(self) -> dict[str, Any]:
+        return decode_meta(self._call(Kind.STATS))
+
+    def drain(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait until every request submitted so far has been forwarded."""
+        return decode_meta(self._call(Kind.DRAIN, timeout=timeout))
+
+    def shutdown(self) -> None:
+        """Ask the agent to drain and exit (it answers first)."""
+        self._call(Kind.SHUTDOWN)
+
+    def close(self) -> None:
+        """Hang up; the agent finishes what it admitted, then closes the stage's sender."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._ch.shutdown()
+        self._reader.join(5.0)
+        self._beater.join(5.0)
+        with contextlib.suppress(OSError):
+            self._ch.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _message(blob: bytes) -> str:
+    try:
+        meta = decode_meta(blob, ErrorMeta)
+    except FrameError as exc:
+        return f"an unreadable ERROR frame ({exc})"
+    return f"{meta.error}: {meta.message}"
+
+
+# --- the whole pipeline on an agent -----------------------------------------------------------
+
+
+class Client:
+    """Runs whole pipelines on a DPU agent: `Client(address, token_file).run(pipeline, items)`.
+
+    The outputs come back to a receiver this client listens on (TCP on the interface that
+    reaches the agent, or shared memory with `transport="shm"` for a local agent).
+    """
+
+    def __init__(self, address: str, token_file: str | Path, *, timeout: float = 10.0) -> None:
+        self.address, self.timeout = address, timeout
+        self._token = auth.read_token(token_file)
+
+    def stats(self) -> dict[str, Any]:
+        with AgentClient(self.address, self._token, timeout=self.timeout) as agent:
+            return agent.stats()
+
+    def run(
+        self,
+        pipeline: Pipeline | str | Path,
+        items: Iterable[Any],
+        *,
+        transport: str = "tcp",
+        slots: int = 4,
+        slot_bytes: int | None = None,
+    ) -> RunResult:
+        """Run every node of `pipeline` on the agent over `items` (as `nicoffload.run` takes
+        them) and return the outputs in item order; failed items are reported, not raised."""
+        if not isinstance(pipeline, Pipeline):
+            pipeline = load_pipeline(pipeline)
+        plan = single_device_plan(pipeline, "dpu0")
+        keys = {name: str(ref) for name, ref in pipeline.outputs.items()}
+        specs = pipeline.output_specs()
+        batch = pipeline.batch_max_size
+        if slot_bytes is None:  # every static output of a full batch; ragged ones at 4x typical
+            slot_bytes = sum(
+                -(-batch * (s.typical_nbytes * (1 if s.static else 4)) // ALIGN) * ALIGN
+                + batch * ALIGN
+                for s in specs.values()
+            )
+        stats, t0, cpu0 = (
+            RunStats(placement=dict(plan.placement)),
+            time.perf_counter(),
+            time.process_time(),
+        )
+        with AgentClient(self.address, self._token, timeout=self.timeout) as agent:
+            where = (
+                f"shm://nicoffload-client-{secrets.token_hex(6)}"
+                if transport == "shm"
+                else f"tcp://{agent.local_host}:0"
+            )
+            with listen(where, slots=slots, slot_bytes=slot_bytes) as rx:
+                agent.load(
+                    Path(pipeline.path).read_text(encoding="utf-8"),
+                    plan,
+                    plan.stages[0].name,
+                    rx.address,
+                    batch_max_size=batch,
+                    batch_max_wait_ms=pipeline.batch_max_wait_ms,
+                )
+                got = _Collector(keys)
+                feeder = _Feeder(agent, values_items(pipeline, items))
+                feeder.start()
+                while not feeder.finished(got.count):
+                    if not agent.alive:
+                        agent.stats()  # raises the AgentError that killed it
+                    try:
+                        d = rx.recv(timeout=self.timeout)
+                    except TransportError:
+                        continue  # idle: the feeder may be blocked on credits; check again
+                    if d is None:
+                        break
+                    got.take(d)
+                    stats.batches += 1
+                    rx.release(d)
+                feeder.join()
+                remote = agent.stats()
+        if got.count < len(feeder.names):
+            raise AgentError(
+                f"agent at {self.address}: {len(feeder.names) - got.count} results lost"
+            )
+        stats.wall_s = time.perf_counter() - t0
+        stats.host_cpu_s = time.process_time() - cpu0
+        return got.result(pipeline, plan, feeder, stats, remote)
+
+
+class _Feeder(threading.Thread):
+    """Submits the items (request id = index + 1) while the caller receives; errors carried."""
+
+    def __init__(self, agent: AgentClient, items: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
+        super().__init__(name="client-feeder", daemon=True)
+        self.agent, self.items = agent, items
+        self.names: list[str] = []
+        self.sent_at: list[float] = []
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for name, values in self.items:
+                self.sent_at.append(time.perf_counter())
+                self.agent.submit(len(self.names) + 1, values)
+                self.names.append(name)
+        except BaseException as exc:
+            self.error = exc
+        self.done.set()
+
+    def finished(self, received: int) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.done.is_set() and received >= len(self.names)
+
+
+class _Collector:
+    """Per item: the rows of every output (copied out of the slot), or why it failed."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self.keys = keys
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.failed: dict[int, tuple[str, str]] = {}
+        self.done_at: dict[int, float] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.rows) + len(self.failed)
+
+    def take(self, d: Delivery) -> None:
+        now = time.perf_counter()
+        failed = d.meta.get("failed", {})
+        for row, rid in enumerate(d.meta["request_ids"]):
+            index = rid - 1
+            if index in self.rows or index in self.failed:
+                continue  # delivered twice: exactly-once on receipt too
+            self.done_at[index] = now
+            if rid in failed:
+                reason, detail = failed[rid]
+                self.failed[index] = (reason, detail)
+                continue
+            self.rows[index] = {
+                name: (
+                    d.tensors[key][row] if key in d.tensors else d.tensors[f"{key}@{row}"]
+                ).copy()
+                for name, key in self.keys.items()
+            }
+
+    def result(
+        self, pipeline: Pipeline, plan: Plan, feeder: _Feeder, stats: RunStats, remote: dict
+    ) -> RunResult:
+        n = len(feeder.names)
+        specs = pipeline.output_specs()
+        outputs: dict[str, Any] = {}
+        for name, spec in specs.items():
+            if spec.static:
+                arr = np.zeros((n, *spec.shape), spec.dtype)
+                for i, row in self.rows.items():
+                    arr[i] = row[name]
+                outputs[name] = arr
+            else:
+                outputs[name] = [self.rows[i][name] if i in self.rows else None for i in range(n)]
+        failures = [ItemFailure(i, feeder.names[i], *self.failed[i]) for i in sorted(self.failed)]
+        stats.items, stats.errors = n, len(failures)
+        stats.errors_by_reason = dict(Counter(f.reason for f in failures))
+        stats.latencies_s = [self.done_at[i] - feeder.sent_at[i] for i in range(n)]
+        s = plan.stages[0]
+        stats.stages[s.name] = {
+            "device": s.device,
+            "nodes": list(s.nodes),
+            "ms_per_item": remote.get("stages", {}).get(s.name, {}).get("ms_per_item", 0.0),
+        }
+        ok = np.array([i in self.rows for i in range(n)], bool)
+        return RunResult(list(feeder.names), outputs, ok, failures, stats)
