@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -616,8 +616,24 @@ class DecodeStats:
     failed: int = 0
 
 
+@dataclass
+class DecodeJob:
+    """One batch between the decoder's three phases (prepare, run, finish)."""
+
+    n: int
+    gpu_rows: list[int] = field(default_factory=list)
+    tensors: list[Any] = field(default_factory=list)
+    cpu_rows: list[int] = field(default_factory=list)
+    cpu_items: list[Any] = field(default_factory=list)
+    decoded: list[Any] | None = None
+
+
 class _Decoder:
-    """nvJPEG batch decode through torchvision; the CPU decoder takes what nvJPEG rejects."""
+    """nvJPEG batch decode through torchvision; the CPU decoder takes what nvJPEG rejects.
+
+    Three phases, so a pipeline can keep nvJPEG busy: `prepare` (host, Python), `run` (the
+    nvJPEG call only, GIL released), `finish` (views, fallbacks); `fn(items)` runs all three.
+    """
 
     def __init__(self, node: Any) -> None:
         import warnings
@@ -658,9 +674,14 @@ class _Decoder:
         return arr[..., None] if arr.ndim == 2 else arr
 
     def __call__(self, items: Sequence[Any], out: Any = None, failed: dict | None = None) -> list:
-        n = len(items)
-        res: list[Any] = [None] * n
-        gpu_rows, cpu_rows = [], []
+        job = self.prepare(items, failed)
+        self.run(job)
+        return self.finish(job, failed)
+
+    def prepare(self, items: Sequence[Any], failed: dict | None = None) -> DecodeJob:
+        """Host only: read headers (refusing bombs), route each item, wrap bytes for nvJPEG."""
+        torch = self.gpu.torch
+        job = DecodeJob(len(items))
         for i, data in enumerate(items):
             if data is None or (failed is not None and i in failed):
                 continue
@@ -669,14 +690,41 @@ class _Decoder:
                 self.stats.failed += 1
                 _fail(failed, i, ItemError("too_large", f"{head[1]}x{head[0]} exceeds max_pixels"))
             elif head is not None and head[3] in _SOF and head[2] in (1, 3) and head[0] and head[1]:
-                gpu_rows.append(i)
+                job.gpu_rows.append(i)
+                job.tensors.append(torch.frombuffer(data, dtype=torch.uint8))
             else:
-                cpu_rows.append(i)
-        if gpu_rows:
-            cpu_rows += self._nvjpeg([items[i] for i in gpu_rows], gpu_rows, res)
-        for i in sorted(cpu_rows):
+                job.cpu_rows.append(i)
+                job.cpu_items.append(data)
+        return job
+
+    def run(self, job: DecodeJob) -> None:
+        """nvJPEG on the batch (torchvision releases the GIL and returns once decoded)."""
+        if not job.tensors:
+            return
+        try:
+            job.decoded = self.io.decode_jpeg(job.tensors, mode=self.mode, device=self.gpu.device)
+        except RuntimeError:  # one bad item fails the batch call: find it
+            job.decoded = []
+            for t in job.tensors:
+                try:
+                    one = self.io.decode_jpeg([t], mode=self.mode, device=self.gpu.device)
+                    job.decoded.append(one[0])
+                except RuntimeError:
+                    job.decoded.append(None)
+
+    def finish(self, job: DecodeJob, failed: dict | None = None) -> list:
+        """HWC views of nvJPEG's planes; the CPU decoder for what nvJPEG could not read."""
+        res: list[Any] = [None] * job.n
+        cpu = list(zip(job.cpu_rows, job.cpu_items, strict=True))
+        for i, t, img in zip(job.gpu_rows, job.tensors, job.decoded or (), strict=True):
+            if img is None:
+                cpu.append((i, t.numpy().tobytes()))
+            else:
+                res[i] = img.permute(1, 2, 0)  # CHW planes seen as HWC: no copy
+        self.stats.gpu += sum(r is not None for r in res)
+        for i, data in sorted(cpu, key=lambda p: p[0]):
             try:
-                arr = self._cpu(items[i])
+                arr = self._cpu(data)
             except ItemError as exc:
                 self.stats.failed += 1
                 _fail(failed, i, exc)
@@ -684,30 +732,6 @@ class _Decoder:
             self.stats.cpu_fallback += 1
             res[i] = self.gpu.upload(np.require(arr, requirements=["C", "W"]))
         return res
-
-    def _nvjpeg(self, datas: list[bytes], rows: list[int], res: list[Any]) -> list[int]:
-        """Decode on the GPU into res[rows]; return the rows nvJPEG rejected."""
-        torch = self.gpu.torch
-        tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in datas]
-        try:
-            decoded = self.io.decode_jpeg(tensors, mode=self.mode, device=self.gpu.device)
-        except RuntimeError:  # one bad item fails the batch call: find it
-            decoded = []
-            for t in tensors:
-                try:
-                    decoded.append(
-                        self.io.decode_jpeg([t], mode=self.mode, device=self.gpu.device)[0]
-                    )
-                except RuntimeError:
-                    decoded.append(None)
-        rejected = []
-        for i, img in zip(rows, decoded, strict=True):
-            if img is None:
-                rejected.append(i)
-            else:
-                res[i] = img.permute(1, 2, 0)  # CHW planes seen as HWC: no copy
-                self.stats.gpu += 1
-        return rejected
 
 
 @kernel("decode_image", "gpu")

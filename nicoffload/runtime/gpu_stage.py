@@ -3,13 +3,15 @@
 A batch arrives as encoded bytes (decode on the GPU) or host images. Host images are staged
 through a ring of pinned buffers and copied on a copy stream; the kernels run on a compute
 stream; outputs stay on the device as torch tensors (CuPy arrays through DLPack, no copy).
-Two workers take alternate batches, so the host side of batch k+1 (staging, header parsing,
-nvJPEG's host phase, descriptor building) and its copies overlap the device work of batch k.
+`stream()` overlaps batches: a decoding stage runs headers, nvJPEG calls and kernels on three
+threads (nvJPEG, one decoder per process, is never left idle), another stage runs two workers
+on alternate batches; either way the copies of batch k+1 overlap the kernels of batch k.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections import deque
@@ -91,6 +93,28 @@ class GpuBatch:
         return {k: conv(v) for k, v in self.outputs.items()}
 
 
+_END = object()
+
+
+@dataclass
+class _Failure:
+    where: str
+    exc: BaseException
+
+
+@dataclass
+class _Job:
+    """A batch on its way through the stage's phases."""
+
+    index: int
+    n: int
+    values: dict[str, Any] = field(default_factory=dict)
+    failed: dict[int, ItemError] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)  # device work the kernels must wait for
+    decode: Any = None  # the decoder's DecodeJob when the stage starts by decoding
+    host_ms: list[tuple[int, float]] = field(default_factory=list)
+
+
 class _Streams:
     def __init__(self, gpu: Any) -> None:
         self.copy = gpu.new_stream()
@@ -162,8 +186,9 @@ class GpuStage:
         ]
         return HostBatch(slot, arrays, offsets, total)
 
-    def _stage_in(self, value: Any, streams: _Streams) -> Any:
-        """Host arrays go through a pinned slot and one copy; bytes and CUDA tensors pass."""
+    def _stage_in(self, value: Any, streams: _Streams, events: list[Any]) -> Any:
+        """Host arrays go through a pinned slot and one copy (its event joins `events`);
+        bytes and CUDA tensors pass as they are."""
         torch = self.gpu.torch
         if isinstance(value, Sequence) and value and isinstance(value[0], np.ndarray):
             hb = self.host_batch([a.shape for a in value], value[0].dtype)
@@ -173,7 +198,7 @@ class GpuStage:
         if not isinstance(value, HostBatch):
             return value
         flat = self.ring.copy_in(value.slot, value.nbytes, streams.copy)
-        streams.compute.wait_event(value.slot.event)
+        events.append(value.slot.event)
         dtype = torch.from_numpy(value.arrays[0][:0]).dtype
         base = flat.view(dtype)
         size = value.arrays[0].itemsize
@@ -188,30 +213,53 @@ class GpuStage:
         ]
 
     def process(self, batch: Mapping[str, Any], index: int = 0) -> GpuBatch:
-        """Launch one batch (`{input key: items}`); returns before the device has finished."""
+        """Launch one batch (`{input key: items}`) from the calling thread; returns before the
+        device has finished (decoding, which is synchronous, excepted)."""
+        job = self._begin(batch, index)
+        self._decode(job)
+        return self._finish(job)
+
+    def _begin(self, batch: Mapping[str, Any], index: int) -> _Job:
+        """Host work first: stage host arrays, read JPEG headers."""
+        st = self._streams()
+        job = _Job(index, len(batch[self.inputs[0]]))
+        job.values = {k: self._stage_in(batch[k], st, job.events) for k in self.inputs}
+        first = self.steps[0]
+        if first.nodes[0].op == "decode_image":
+            job.decode = first.fn.prepare(job.values[first.reads[0]], job.failed)
+        return job
+
+    def _decode(self, job: _Job) -> None:
+        """The nvJPEG call alone, on this thread's decode stream; its end is an event."""
+        if job.decode is None:
+            return
         torch = self.gpu.torch
         st = self._streams()
-        first = batch[self.inputs[0]]
-        n = len(first)
-        failed: dict[int, ItemError] = {}
-        values = {k: self._stage_in(batch[k], st) for k in self.inputs}
-        timing, host_ms = [], []
+        t0 = time.perf_counter()
+        with torch.cuda.stream(st.decode):
+            self.steps[0].fn.run(job.decode)
+            event = torch.cuda.Event()
+            event.record(st.decode)
+        job.events.append(event)
+        job.host_ms.append((0, (time.perf_counter() - t0) * 1e3))
+
+    def _finish(self, job: _Job) -> GpuBatch:
+        """Every other step on this thread's compute stream, after the copies and the decode."""
+        torch = self.gpu.torch
+        st = self._streams()
+        values, timing = job.values, []
         with torch.cuda.stream(st.compute):
+            for e in job.events:
+                st.compute.wait_event(e)
             for i, step in enumerate(self.steps):
                 args = [values[k] for k in step.reads]
-                if step.nodes[0].op == "decode_image":  # synchronous, on its own stream
-                    t0 = time.perf_counter()
-                    with torch.cuda.stream(st.decode):
-                        result = step.fn(*args, failed=failed)
-                    st.compute.wait_stream(st.decode)
-                    host_ms.append((i, (time.perf_counter() - t0) * 1e3))
+                if i == 0 and job.decode is not None:
+                    result = step.fn.finish(job.decode, job.failed)
                 else:
-                    e0, e1 = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
                     e0.record(st.compute)
-                    result = step.fn(*args, failed=failed)
+                    result = step.fn(*args, failed=job.failed)
                     e1.record(st.compute)
                     timing.append((i, e0, e1))
                 results = (result,) if len(step.writes) == 1 else result
@@ -219,7 +267,7 @@ class GpuStage:
             done = torch.cuda.Event()
             done.record(st.compute)
         outputs = {k: values[k] for k in self.outputs}
-        return GpuBatch(index, n, outputs, failed, done, timing, host_ms, values)
+        return GpuBatch(job.index, job.n, outputs, job.failed, done, timing, job.host_ms, values)
 
     def _account(self, b: GpuBatch) -> None:
         b.wait()
@@ -232,7 +280,16 @@ class GpuStage:
         b._timing, b._host_ms = [], []
 
     def stream(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[GpuBatch]:
-        """Run batches on the workers; yield each, finished, in order."""
+        """Run batches and yield each, finished, in order.
+
+        A stage that decodes runs three threads, so nvJPEG (one decoder per process) is never
+        idle: headers and staging, the nvJPEG calls alone, the kernels; others run `workers`
+        threads on alternate batches. Either way the copies and kernels of batch k+1 overlap
+        the device work of batch k.
+        """
+        if self.steps[0].nodes[0].op == "decode_image":
+            yield from self._pipeline(batches)
+            return
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="nicoffload-gpu")
         pending: deque[Any] = deque()
         try:
@@ -248,6 +305,79 @@ class GpuStage:
                 yield done
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _pipeline(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[GpuBatch]:
+        stop = threading.Event()
+        to_decode: queue.Queue[Any] = queue.Queue(maxsize=2)
+        to_finish: queue.Queue[Any] = queue.Queue(maxsize=2)
+        done: queue.Queue[Any] = queue.Queue(maxsize=2)
+
+        def put(q: queue.Queue[Any], item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def run(name: str, source: Any, work: Any, sink: queue.Queue[Any]) -> None:
+            try:
+                for item in source():
+                    if not put(sink, work(item)):
+                        return
+                put(sink, _END)
+            except BaseException as exc:  # carried to the consumer, re-raised there
+                put(done, _Failure(name, exc))
+                stop.set()
+
+        def drain(q: queue.Queue[Any]) -> Iterator[Any]:
+            while not stop.is_set():
+                try:
+                    item = q.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if item is _END:
+                    return
+                yield item
+
+        def produce() -> Iterator[Any]:
+            for i, b in enumerate(batches):
+                if stop.is_set():
+                    return
+                yield (i, b)
+
+        def decode(job: _Job) -> _Job:
+            self._decode(job)
+            return job
+
+        threads = [
+            threading.Thread(
+                target=run, args=("prepare", produce, lambda p: self._begin(p[1], p[0]), to_decode)
+            ),
+            threading.Thread(
+                target=run, args=("decode", lambda: drain(to_decode), decode, to_finish)
+            ),
+            threading.Thread(
+                target=run, args=("kernels", lambda: drain(to_finish), self._finish, done)
+            ),
+        ]
+        for t in threads:
+            t.daemon = True
+            t.start()
+        try:
+            while True:
+                item = done.get()
+                if item is _END:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.exc
+                self._account(item)
+                yield item
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
 
     def step_ms_per_item(self) -> dict[str, float]:
         """Measured time per item of each step: device time (events), decode by host clock."""

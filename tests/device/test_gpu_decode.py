@@ -19,7 +19,9 @@ from nicoffload.errors import ItemError
 from nicoffload.graph import load_pipeline
 from nicoffload.samples import sample_images
 
-MEAN_ABS_TOLERANCE = 4.0  # uint8 levels, per image; measured 0.3-3.5 on photographs
+# uint8 levels, per image. Measured on the H200: 0.03-2.15 on photo-like JPEGs (500x375 and
+# 1920x1080), up to 4.2 on synthetic noise (tests/device/test_gpu_contract.py).
+MEAN_ABS_TOLERANCE = 4.0
 
 
 def decoder(tmp_path, color: str = "rgb", max_pixels: int = 40_000_000):
