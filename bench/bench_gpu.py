@@ -398,8 +398,11 @@ def pipeline_side_by_side(torch, data: dict[str, list[bytes]], sizes, total: dic
     pipeline = load_pipeline(RESNET)
     plan = StagePlan("s0-gpu", "gpu0", "gpu", ("decode", "resize", "crop", "norm"))
     stage = GpuStage(pipeline, plan, {"norm"}, workers=2)
-    stage1 = GpuStage(pipeline, plan, {"norm"}, workers=1)
     res: dict = {}
+
+    def sequential(batches):  # one batch at a time on one thread: no overlap
+        for x in batches:
+            stage.process({"image": x}).wait()
 
     def ours(st):
         def run_all(batches):
@@ -411,7 +414,7 @@ def pipeline_side_by_side(torch, data: dict[str, list[bytes]], sizes, total: dic
     methods = {
         "nvjpeg_decode_only": decode_only_fn(torch, tvio, False),
         "recipe_torchvision": recipe_fn(torch, tvio),
-        "ours_1worker": None,
+        "ours_sequential": None,
         "ours": None,
     }
     for name, items in data.items():
@@ -427,8 +430,7 @@ def pipeline_side_by_side(torch, data: dict[str, list[bytes]], sizes, total: dic
                 order = order if r % 2 == 0 else order[::-1]
                 for m in order:
                     if m.startswith("ours"):
-                        st = stage1 if m == "ours_1worker" else stage
-                        run_all = ours(st)
+                        run_all = sequential if m == "ours_sequential" else ours(stage)
                         run_all(batches[:2])  # warm
                         torch.cuda.synchronize()
                         c0, t0 = time.process_time(), time.perf_counter()
