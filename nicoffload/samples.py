@@ -11,7 +11,6 @@ import io
 from functools import lru_cache
 from pathlib import Path
 
-import numba
 import numpy as np
 
 from nicoffload.errors import MissingDependency
@@ -54,12 +53,14 @@ def _photos() -> tuple:
 
 
 @lru_cache(maxsize=1)
-def _noise() -> np.ndarray:
-    # Sensor-like noise: mostly luma (shared by the channels), a little chroma.
+def _noise() -> tuple[np.ndarray, np.ndarray]:
+    """Sensor-like noise (mostly luma, shared by the channels; a little chroma), flat, as its
+    positive and negative parts, so adding it is two saturating uint8 steps."""
     rng = np.random.default_rng(20240917)
     luma = rng.normal(0.0, 4.0, (*_NOISE_HW, 1))
     chroma = rng.normal(0.0, 2.0, (*_NOISE_HW, 3))
-    return np.clip(np.rint(luma + chroma), -127, 127).astype(np.int8)
+    noise = np.clip(np.rint(luma + chroma), -255, 255).astype(np.int16).reshape(-1)
+    return np.clip(noise, 0, None).astype(np.uint8), np.clip(-noise, 0, None).astype(np.uint8)
 
 
 @lru_cache(maxsize=128)
@@ -94,17 +95,13 @@ def _image(rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
             tile = _tile(rng, ys[j + 1] - ys[j], xs[i + 1] - xs[i])
             canvas[ys[j] : ys[j] + tile.shape[0], xs[i] : xs[i] + tile.shape[1]] = tile
     # The noise is i.i.d. per pixel, so any pixel-aligned run of the field will do.
-    noise = _noise().reshape(-1)
-    start = 3 * rng.integers(0, (noise.size - canvas.size) // 3 + 1)
-    _add_noise(canvas.reshape(-1), noise[start : start + canvas.size])
+    up, down = _noise()
+    start = 3 * rng.integers(0, (up.size - canvas.size) // 3 + 1)
+    px, room = canvas.reshape(-1), np.empty(canvas.size, np.uint8)
+    np.minimum(np.bitwise_not(px, out=room), up[start : start + px.size], out=room)
+    px += room  # saturating add: never more than the room left below 255
+    px -= np.minimum(px, down[start : start + px.size], out=room)
     return canvas, w, h
-
-
-@numba.njit(nogil=True, cache=True)
-def _add_noise(pixels, noise):
-    for i in range(pixels.size):
-        v = np.int16(pixels[i]) + noise[i]
-        pixels[i] = 0 if v < 0 else (255 if v > 255 else v)
 
 
 def sample_image(i: int, seed: int = 0) -> tuple[str, bytes]:
