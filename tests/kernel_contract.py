@@ -275,6 +275,7 @@ def _call(kernel: Kernel, fn, x, outs: tuple | None) -> tuple:
     dev_outs = None
     if outs is not None:
         dev_outs = tuple(torch.from_numpy(o[None].copy()).cuda() for o in outs)
-    res = fn([x], out=None if dev_outs is None else dev_outs[0])
+    item = np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x
+    res = fn([item], out=None if dev_outs is None else dev_outs[0])
     res = res if isinstance(res, tuple) else (res,)
     return tuple(r[0].cpu().numpy() for r in res)

@@ -1,7 +1,10 @@
 """decode_image: JPEG/PNG bytes -> uint8 HWC (RGB or gray).
 
-Semantics here; the CPU kernel (libjpeg-turbo through simplejpeg, with DCT-domain downscaling
-when a downstream resize lets it decode smaller) is below them.
+Semantics here; the CPU/DPU kernel below them: libjpeg-turbo through simplejpeg for JPEG, into
+per-thread buffers, decoding smaller in the DCT domain when the consumers are antialiased
+resizes that leave room for it (`dct_scale`); Pillow for PNG. The format comes from the magic
+bytes, never a file name. Every failure is an ItemError with a stable reason: empty, truncated,
+corrupt, unsupported_format, too_large (from the header, before any pixel is decoded).
 """
 
 from __future__ import annotations
@@ -83,9 +86,9 @@ _SIGNATURES = (
     (0, b"\x00\x00\x01\x00", "ico"),
     (0, b"%PDF", "pdf"),
 )
-# DCT scaling uses libjpeg-turbo's reduced IDCTs (1/8, 1/4, 1/2), the only scales that decode
-# faster than full size (its 3/8..7/8 IDCTs have no SIMD and are slower than 8/8, measured), and
-# only at exact scales, so the decoded image covers exactly the original field of view.
+# DCT scaling uses libjpeg-turbo's reduced IDCTs (1/8, 1/4, 1/2): its 5/8..7/8 IDCTs have no
+# SIMD and decode slower than full size (3/8 barely faster), measured. Only exact scales, so the
+# decoded image covers exactly the original field of view and the resize's target is unchanged.
 DCT_SCALES = (1, 2, 4)
 # A DCT-scaled decode must still leave the resize this much shrinking to do: below ~3x the
 # two-stage result drifts past the accuracy bound (p99.9 0.12 at 2x, 0.07 at 3x; like PIL's
@@ -102,7 +105,8 @@ def sniff(head: bytes) -> str | None:
 
 
 def dct_scale(h: int, w: int, target: tuple[int, int], margin: float = DCT_MARGIN) -> int:
-    """The libjpeg scale numerator M (decode at M/8) for an (h, w) JPEG resized to `target`."""
+    """The libjpeg scale numerator M (decode at M/8) for an (h, w) JPEG resized to `target`:
+    the smallest exact one whose output is still `margin` times the target, else 8 (full)."""
     th, tw = target
     for m in DCT_SCALES:
         exact = (h * m) % 8 == 0 and (w * m) % 8 == 0

@@ -65,8 +65,13 @@ def report(label: str, diff: np.ndarray, n: int, scaled: int) -> None:
     )
 
 
-def test_resnet50_chain_matches_pillow_within_the_bounds():
-    images = sample_images(120, seed=11)
+@pytest.fixture(scope="module")
+def photos() -> list[tuple[str, bytes]]:
+    return sample_images(120, seed=11)
+
+
+def test_resnet50_chain_matches_pillow_within_the_bounds(photos):
+    images = photos
     diff, scaled = errors(load_pipeline(ROOT / "pipelines/resnet50.yaml"), images)
     report("resnet50", diff, len(images), scaled)
     assert diff.mean() <= MEAN_BOUND
@@ -94,3 +99,23 @@ def test_dct_scaled_decodes_stay_within_the_bounds_on_their_own(small_resize_pip
     report("DCT-scaled only", diff, len(scaled_only), scaled)
     assert diff.mean() <= MEAN_BOUND
     assert np.percentile(diff, 99.9) <= P999_BOUND
+
+
+def test_the_sample_corpus_is_deterministic_and_photo_like(photos):
+    """What the bounds above are measured on: same bytes for a seed, prefix-stable, realistic."""
+    images = photos
+    assert images[:8] == sample_images(8, seed=11)
+    assert images[:8] != sample_images(8, seed=12)
+    imagenet = [len(data) for name, data in images if "_500x375_" in name]
+    assert 60_000 <= np.mean(imagenet) <= 150_000
+    sizes = {simplejpeg.decode_jpeg_header(data)[:2] for _, data in images}
+    assert len(sizes) >= 6 and max(h * w for h, w in sizes) == 1920 * 1080
+
+
+def test_sample_texts_are_english_of_5_to_200_words():
+    from nicoffload.samples import sample_texts
+
+    texts = sample_texts(300, seed=4)
+    counts = [len(text.split()) for _, text in texts]
+    assert min(counts) >= 5 and max(counts) <= 200 and len(set(counts)) > 50
+    assert texts == sample_texts(300, seed=4)
