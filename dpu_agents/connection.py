@@ -227,18 +227,22 @@ class Connection:
             ).start()
 
     def _slow_call(self, kind: Kind, call: int, load: LoadMeta | None, payload: bytes) -> None:
+        reply: Any = None
+        error: BaseException | None = None
         try:
             if kind is Kind.LOAD:
                 assert load is not None
-                reply: Any = self._load(load, payload)
+                reply = self._load(load, payload)
             else:
                 reply = self._drain()
-            self.ch.send(frame(Kind.ACK, reply, request_id=call))
         except Exception as exc:  # the call fails, the connection goes on
-            self._reply_error(call, exc)
-        finally:
-            with self._lock:
-                self._busy = False
+            error = exc
+        with self._lock:  # free before the answer: the client may call again at once
+            self._busy = False
+        if error is not None:
+            self._reply_error(call, error)
+        else:
+            self.ch.post(frame(Kind.ACK, reply, request_id=call))
 
     def _reply_error(self, call: int, exc: BaseException) -> None:
         if not isinstance(exc, (AgentError, TransportError)):
