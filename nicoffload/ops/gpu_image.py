@@ -644,7 +644,11 @@ class _Decoder:
         self.io = torchvision_io()
         gray = node.params["color"] == "gray"
         self.channels = 1 if gray else 3
-        self.mode = self.io.ImageReadMode.GRAY if gray else self.io.ImageReadMode.RGB
+        # Always RGB from nvJPEG: its batched hardware path left Y-only output unwritten on the
+        # H200 (mean error 115 levels); gray is computed from RGB as libjpeg does (BT.601,
+        # 16-bit fixed point), which is exact for gray JPEGs.
+        self.mode = self.io.ImageReadMode.RGB
+        self._luma = None
         self.max_pixels = node.params["max_pixels"]
         self.stats = DecodeStats()
         self._cpu = self._cpu_decoder(node)
@@ -697,6 +701,14 @@ class _Decoder:
                 job.cpu_items.append(data)
         return job
 
+    def _gray(self, img: Any) -> Any:
+        """uint8 (H, W, 1) luma of a (3, H, W) RGB image: (19595 R + 38470 G + 7471 B) >> 16."""
+        torch = self.gpu.torch
+        if self._luma is None:
+            self._luma = torch.tensor([19595, 38470, 7471], dtype=torch.int32, device=img.device)
+        y = (img.to(torch.int32) * self._luma[:, None, None]).sum(0).add_(32768) >> 16
+        return y.to(torch.uint8)[..., None]
+
     def run(self, job: DecodeJob) -> None:
         """nvJPEG on the batch (torchvision releases the GIL and returns once decoded)."""
         if not job.tensors:
@@ -720,7 +732,7 @@ class _Decoder:
             if img is None:
                 cpu.append((i, t.numpy().tobytes()))
             else:
-                res[i] = img.permute(1, 2, 0)  # CHW planes seen as HWC: no copy
+                res[i] = self._gray(img) if self.channels == 1 else img.permute(1, 2, 0)
         self.stats.gpu += sum(r is not None for r in res)
         for i, data in sorted(cpu, key=lambda p: p[0]):
             try:
@@ -737,6 +749,6 @@ class _Decoder:
 @kernel("decode_image", "gpu")
 def _build_decode(nodes, consumers):
     """GPU (nvJPEG through torchvision, batched; hardware engine where the GPU has one).
-    Host bytes in, uint8 HWC CUDA tensors out (views of CHW planes); the CPU decoder takes
+    Host bytes in, uint8 HWC CUDA tensors out (RGB: views of CHW planes); the CPU decoder takes
     what nvJPEG rejects (counted in `fn.stats`). `fn` takes a whole batch."""
     return _Decoder(nodes[0])
