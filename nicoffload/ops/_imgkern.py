@@ -5,10 +5,13 @@ buffers, warm-up inputs). Every loop releases the GIL.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numba
 import numpy as np
+
+from nicoffload.ops.crop import crop_box
 
 _JIT = {"nogil": True, "cache": True}
 
@@ -111,7 +114,7 @@ class Scratch(threading.local):
         self.bufs: dict[str, np.ndarray] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: np.dtype | type = np.uint8):
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         dtype = np.dtype(dtype)
         buf = self.bufs.get(name)
         if buf is None or buf.size < n or buf.dtype != dtype:
@@ -139,8 +142,6 @@ def as_numba_dst(out: np.ndarray) -> np.ndarray:
 
 def crop_window(h: int, w: int, ch: int, cw: int) -> tuple[tuple[int, int, int, int], tuple]:
     """The part of an (h, w) image inside the center crop (y0, y1, x0, x1), and where it lands."""
-    from nicoffload.ops.crop import crop_box
-
     top, left = crop_box(h, w, ch, cw)
     y0, y1 = max(top, 0), min(top + ch, h)
     x0, x1 = max(left, 0), min(left + cw, w)
