@@ -108,7 +108,13 @@ def cmyk_convert(src, dst):
 
 
 class Scratch(threading.local):
-    """Per-thread growable buffers, so the per-item path allocates nothing once warm."""
+    """Per-thread growable buffers, so the per-item path allocates nothing once warm.
+
+    Buffers beyond KEEP_BYTES (a 12-megapixel RGB image) are handed out but not kept, so one
+    huge image does not pin its memory to every worker thread for the rest of the run.
+    """
+
+    KEEP_BYTES = 36 << 20
 
     def __init__(self) -> None:
         self.bufs: dict[str, np.ndarray] = {}
@@ -116,6 +122,8 @@ class Scratch(threading.local):
     def get(self, name: str, shape: tuple[int, ...], dtype: np.dtype | type = np.uint8):
         n = math.prod(shape)
         dtype = np.dtype(dtype)
+        if n * dtype.itemsize > self.KEEP_BYTES:
+            return np.empty(shape, dtype)
         buf = self.bufs.get(name)
         if buf is None or buf.size < n or buf.dtype != dtype:
             buf = np.empty(max(n, 1) + (n >> 2), dtype)
