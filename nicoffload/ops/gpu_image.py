@@ -578,7 +578,10 @@ for _chain in (
 
 # --- decode_image ----------------------------------------------------------------------------
 
-_SOF = {0xC0, 0xC1, 0xC2}  # baseline, extended, progressive Huffman: what nvJPEG decodes
+# What goes to nvJPEG: 3-component baseline, extended and progressive Huffman JPEGs. The rest
+# goes to the CPU decoder: PNG, CMYK, arithmetic coding, and 1-component (gray) JPEGs, for
+# which nvJPEG's batched path returned blank images on the H200 (torchvision 0.26, CUDA 13).
+_SOF = {0xC0, 0xC1, 0xC2}
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, int, int] | None:
@@ -644,9 +647,8 @@ class _Decoder:
         self.io = torchvision_io()
         gray = node.params["color"] == "gray"
         self.channels = 1 if gray else 3
-        # Always RGB from nvJPEG: its batched hardware path left Y-only output unwritten on the
-        # H200 (mean error 115 levels); gray is computed from RGB as libjpeg does (BT.601,
-        # 16-bit fixed point), which is exact for gray JPEGs.
+        # Always RGB from nvJPEG; gray output is computed from it as libjpeg does (BT.601 in
+        # 16-bit fixed point), one path for every image nvJPEG takes.
         self.mode = self.io.ImageReadMode.RGB
         self._luma = None
         self.max_pixels = node.params["max_pixels"]
@@ -693,7 +695,7 @@ class _Decoder:
             if head is not None and head[0] * head[1] > self.max_pixels:
                 self.stats.failed += 1
                 _fail(failed, i, ItemError("too_large", f"{head[1]}x{head[0]} exceeds max_pixels"))
-            elif head is not None and head[3] in _SOF and head[2] in (1, 3) and head[0] and head[1]:
+            elif head is not None and head[3] in _SOF and head[2] == 3 and head[0] and head[1]:
                 job.gpu_rows.append(i)
                 job.tensors.append(torch.frombuffer(data, dtype=torch.uint8))
             else:
