@@ -60,8 +60,14 @@ class Connection:
         self.thread = threading.Thread(target=self.serve, name=f"conn {peer}", daemon=True)
 
     def serve(self) -> None:
+        # The deadline holds mid-frame too: a sender dribbling a byte at a time cannot keep an
+        # unauthenticated connection (and its thread) for longer than this.
+        watchdog = threading.Timer(self.cfg.handshake_timeout_s, self.stop)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             self._handshake()
+            watchdog.cancel()
             self._loop()
         except Refused as exc:
             self.agent.metrics.error("auth")
@@ -78,6 +84,7 @@ class Connection:
             log.exception("connection failed", extra={"fields": {"peer": self.peer}})
             self.ch.post(error_frame(AgentError(f"internal error: {exc!r}")), _DONTWAIT)
         finally:
+            watchdog.cancel()
             self._finish()
 
     def _finish(self) -> None:
@@ -164,7 +171,6 @@ class Connection:
 
     def _request(self, header: Header, blob: bytes) -> None:
         meta = decode_meta(blob, RequestMeta)
-        payload = self._payload(header, self.cfg.max_request_bytes)
         session = self.session
         if session is None:
             raise FrameError("malformed frame: kind: REQUEST before LOAD")
@@ -174,6 +180,7 @@ class Connection:
                 raise FrameError(
                     f"malformed frame: kind: REQUEST without credit ({self.cfg.window})"
                 )
+        payload = self._payload(header, self.cfg.max_request_bytes)
         self.agent.metrics.request(len(payload))
         values, reject = None, ("", "")
         try:

@@ -1,0 +1,392 @@
+"""Fuzzing a real agent process with generated frames and byte streams (random bytes, headers
+with wrong magic / version / kind / lengths / dtypes / shapes / checksums, garbage metadata,
+oversize and truncated frames, before and after authentication and with a stage loaded), and
+with slow senders, while a well-behaved client keeps being served correctly.
+
+The agent must answer each stream with well-formed frames (an ERROR for what it refuses) or
+close the connection; it must never crash, hang, or leak threads or descriptors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import nicoffload
+from dpu_agents import auth
+from dpu_agents.local import LocalAgent
+from dpu_agents.protocol import (
+    AuthMeta,
+    ChallengeMeta,
+    HelloMeta,
+    InputMeta,
+    LoadMeta,
+    RequestMeta,
+    frame,
+    request_frame,
+)
+from dpu_agents.stagebuild import pipeline_from_text
+from nicoffload.client import AgentClient
+from nicoffload.errors import FrameError, TransportError
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.plan import single_device_plan
+from nicoffload.transport import listen
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import (
+    CHECKED_SIZE,
+    HEADER_FIELDS,
+    MAGIC_U32,
+    VERSION,
+    Kind,
+    decode_meta,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+BERT = ROOT / "pipelines" / "bert.yaml"
+MAX_REQUEST = 1 << 20
+TEXTS = [f"request number {i}: " + "tokens " * (i % 7) for i in range(8)]
+DECODE_YAML = """name: fuzz-decode
+inputs: {image: {kind: bytes, format: jpeg}}
+nodes:
+  - {name: decode, op: decode_image, in: image}
+outputs: {pixels: decode}
+batch: {max_size: 4, max_wait_ms: 1}
+"""
+_HEADER = struct.Struct(
+    "!" + "".join({8: "B", 16: "H", 32: "I", 64: "Q"}[b] for _, b in HEADER_FIELDS)
+)
+FRAMES_SENT = [0]  # frames and byte streams generated, across all the fuzz tests
+ANSWERS = frozenset(
+    {Kind.ERROR, Kind.CHALLENGE, Kind.WELCOME, Kind.ACK, Kind.STATS, Kind.HEARTBEAT, Kind.CREDIT}
+)
+
+
+# --- the agent and a well-behaved client -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("agent") / "token"
+    auth.write_token(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def agent(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    folder = tmp_path_factory.mktemp("agent-config")
+    config = folder / "agent.toml"
+    config.write_text(
+        f"io_timeout_s = 0.5\nhandshake_timeout_s = 1.0\nidle_timeout_s = 5.0\n"
+        f"max_request_bytes = {MAX_REQUEST}\nwindow = 16\ndrain_timeout_s = 5.0\n"
+    )
+    with open(folder / "agent.log", "w") as log:
+        a = LocalAgent(token_file, cores=1, config=config, stderr=log.fileno())
+    yield a
+    assert a.alive(), "the agent died"
+    assert a.stop(timeout=15) == 0
+
+
+class GoodClient(threading.Thread):
+    """Submits BERT requests and checks every result while the fuzzing goes on."""
+
+    def __init__(self, address: str, token: bytes) -> None:
+        super().__init__(daemon=True)
+        self.address, self.token = address, token
+        self.stop = threading.Event()
+        self.ref = nicoffload.run(BERT, TEXTS).outputs["input_ids"]
+        self.sent = self.checked = 0
+        self.error: BaseException | None = None
+        self.baseline = (0, 0)  # the agent's descriptors and threads while this one is served
+
+    def run(self) -> None:
+        try:
+            with (
+                listen("tcp://127.0.0.1:0", slots=4, slot_bytes=1 << 20) as rx,
+                AgentClient(self.address, self.token, timeout=10) as client,
+            ):
+                pipeline = load_pipeline(BERT)
+                plan = single_device_plan(pipeline, "dpu0")
+                client.load(
+                    BERT.read_text(),
+                    plan,
+                    plan.stages[0].name,
+                    rx.address,
+                    batch_max_size=4,
+                    batch_max_wait_ms=2,
+                )
+                while not self.stop.is_set() or self.checked < self.sent:
+                    self.stop.wait(0.005)  # a steady client, not a load generator
+                    while not self.stop.is_set() and self.sent - self.checked < 8:
+                        client.submit(self.sent, {"text": TEXTS[self.sent % 8]}, timeout=10)
+                        self.sent += 1
+                    d = rx.recv(timeout=10)
+                    assert d is not None and d.meta["failed"] == {}
+                    for row, rid in enumerate(d.meta["request_ids"]):
+                        assert rid == self.checked, (rid, self.checked)
+                        np.testing.assert_array_equal(
+                            d.tensors["tok.input_ids"][row], self.ref[rid % 8]
+                        )
+                        self.checked += 1
+                    rx.release(d)
+        except BaseException as exc:
+            self.error = exc
+
+
+@pytest.fixture(scope="module")
+def good_client(agent: LocalAgent, token_file: Path) -> Iterator[GoodClient]:
+    c = GoodClient(agent.address, auth.read_token(token_file))
+    c.start()
+    deadline = time.monotonic() + 30
+    while c.checked < 8 and c.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c.baseline = resources(agent.pid)
+    yield c
+    c.stop.set()
+    c.join(30)
+    assert c.error is None, f"the well-behaved client failed: {c.error!r}"
+    assert c.checked == c.sent > 8
+
+
+def resources(pid: int) -> tuple[int, int]:
+    threads = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("Threads:")
+    )
+    return len(os.listdir(f"/proc/{pid}/fd")), threads
+
+
+# --- generated frames ------------------------------------------------------------------------
+
+
+# Strategies are built once: building them per draw costs more than the draws themselves.
+_BLOB = st.binary(max_size=48)
+_FIELD_INDEX = st.integers(0, len(HEADER_FIELDS) - 2)
+_FIELD_VALUE = [st.integers(0, (1 << bits) - 1) for _, bits in HEADER_FIELDS]
+_MUTATIONS = st.integers(0, 3)
+_BIT = st.integers(0, 31)
+_CUT = st.integers(0, 200)
+_ID = st.integers(0, 2**64 - 1)
+_META = st.one_of(
+    st.none(),
+    st.dictionaries(
+        st.text(max_size=8), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8), max_size=4
+    ),
+    st.just(HelloMeta("fuzz")),
+    st.just(RequestMeta((InputMeta("text", True, 3),))),
+)
+_VALUES = st.dictionaries(
+    st.sampled_from(["image", "text", "other"]),
+    st.binary(max_size=96) | st.text(max_size=16) | st.just(b"\xff\xd8\xff\xe0" + bytes(40)),
+    max_size=3,
+)
+_LENGTH = st.integers(0, 2**40)
+
+
+@st.composite
+def raw_frame(draw: st.DrawFn, kinds: st.SearchStrategy[Kind]) -> bytes:
+    """A frame whose header has up to three fields set to any value (magic, version, kind,
+    lengths, dtype, ndim, shape...), a checksum that is right or not, maybe cut short."""
+    kind, meta, payload = draw(kinds), draw(_BLOB), draw(_BLOB)
+    fields = [MAGIC_U32, VERSION, int(kind), 0, 0, 0, 0, 1, 0, len(meta), len(payload)]
+    fields += [0] * (len(HEADER_FIELDS) - len(fields))
+    for _ in range(draw(_MUTATIONS)):
+        i = draw(_FIELD_INDEX)
+        fields[i] = draw(_FIELD_VALUE[i])
+    if fields[2] == Kind.SHUTDOWN and kind != Kind.SHUTDOWN:
+        fields[2] = 0  # an order this stream may not give (an authenticated SHUTDOWN)
+    head = bytearray(_HEADER.pack(*fields))
+    crc = zlib.crc32(meta, zlib.crc32(head[:CHECKED_SIZE]))
+    if draw(st.booleans()):
+        crc ^= 1 << draw(_BIT)
+    head[CHECKED_SIZE:] = crc.to_bytes(4, "big")
+    data = bytes(head) + meta + payload
+    return data[: draw(_CUT)] if draw(st.booleans()) else data
+
+
+@st.composite
+def control_frame(draw: st.DrawFn, kinds: st.SearchStrategy[Kind]) -> bytes:
+    """A well-formed frame of any kind whose metadata may be garbage or of the wrong type."""
+    return frame(draw(kinds), draw(_META), request_id=draw(_ID))
+
+
+@st.composite
+def request_frames(draw: st.DrawFn) -> bytes:
+    """REQUESTs with lying lengths, wrong inputs, garbage images, or an odd id."""
+    head, parts = request_frame(draw(_ID), draw(_VALUES))
+    body = b"".join(parts)
+    if draw(st.booleans()):  # lengths in the meta that do not add up
+        lying = RequestMeta((InputMeta("image", False, draw(_LENGTH)),))
+        head = frame(Kind.REQUEST, lying, request_id=1, payload=len(body))
+    return head + body
+
+
+ANY_KIND = st.sampled_from(list(Kind))
+# An authenticated SHUTDOWN is a legitimate order to stop: the fuzz after login leaves it out.
+AFTER_LOGIN = st.sampled_from([k for k in Kind if k is not Kind.SHUTDOWN])
+
+
+def streams(kinds: st.SearchStrategy[Kind]) -> st.SearchStrategy[list[bytes]]:
+    one = st.one_of(raw_frame(kinds), control_frame(kinds), st.binary(max_size=200))
+    return st.lists(one, min_size=1, max_size=10)
+
+
+def exchange(address: str, data: list[bytes], *, prelude=None, deadline: float = 5.0) -> list[Kind]:
+    """Connect, run `prelude(channel)`, send the frames, half-close; the kinds of every frame
+    the agent sent back before it closed. Fails if the agent neither answers nor closes."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    ch = Channel(sock, "agent", io_timeout=5)
+    kinds: list[Kind] = []
+    try:
+        if prelude is not None:
+            prelude(ch)
+        FRAMES_SENT[0] += len(data)
+        try:
+            sock.sendall(b"".join(data))  # one write: no Nagle / delayed-ACK stalls between frames
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the agent closed first: fine, we still read what it said
+        end = time.monotonic() + deadline
+        while True:
+            assert ch.readable(max(0.0, end - time.monotonic())), "the agent hung"
+            try:
+                got = ch.read_head(0)
+            except FrameError:
+                raise  # the agent sent something malformed
+            except TransportError:
+                break  # closed, or reset because our unread bytes were still in its buffer
+            if got is None:
+                break
+            assert got[0].kind in ANSWERS, got[0].kind
+            kinds.append(got[0].kind)
+    finally:
+        ch.close()
+    return kinds
+
+
+def authenticate(token: bytes):
+    def prelude(ch: Channel) -> None:
+        ch.send(frame(Kind.HELLO, HelloMeta("fuzz")))
+        ch.readable(5)
+        challenge = ch.read_head(0)
+        nonce = decode_meta(challenge[1], ChallengeMeta).nonce
+        mine = auth.nonce()
+        ch.send(frame(Kind.AUTH, AuthMeta(mine, auth.client_proof(token, nonce, mine))))
+        ch.readable(5)
+        assert ch.read_head(0)[0].kind is Kind.WELCOME
+
+    return prelude
+
+
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@settings(FUZZ, max_examples=1000)
+@given(data=streams(ANY_KIND))
+def test_unauthenticated_streams_get_an_error_or_a_close(agent, good_client, data) -> None:
+    kinds = exchange(agent.address, data)
+    assert set(kinds) <= {Kind.CHALLENGE, Kind.ERROR}
+
+
+@settings(FUZZ, max_examples=1000)
+@given(data=streams(AFTER_LOGIN))
+def test_authenticated_streams_get_answers_an_error_or_a_close(
+    agent, good_client, token_file, data
+) -> None:
+    exchange(agent.address, data, prelude=authenticate(auth.read_token(token_file)))
+
+
+@settings(FUZZ, max_examples=100)
+@given(
+    data=st.lists(
+        st.one_of(request_frames(), raw_frame(AFTER_LOGIN), control_frame(AFTER_LOGIN)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_streams_into_a_loaded_stage_fail_items_or_the_connection(
+    agent, good_client, token_file, data
+) -> None:
+    token = auth.read_token(token_file)
+    pipeline_plan = single_device_plan(pipeline_from_text(DECODE_YAML), "dpu0")
+    with listen("tcp://127.0.0.1:0", slots=2, slot_bytes=1 << 16) as rx:
+
+        def prelude(ch: Channel) -> None:
+            authenticate(token)(ch)
+            payload = DECODE_YAML.encode() + json.dumps(pipeline_plan.to_json()).encode()
+            meta = LoadMeta(pipeline_plan.stages[0].name, rx.address, 4, 1.0, len(DECODE_YAML))
+            ch.send(frame(Kind.LOAD, meta, request_id=1, payload=len(payload)) + payload)
+            ch.readable(10)
+            assert ch.read_head(0)[0].kind is Kind.ACK
+
+        drained = threading.Thread(target=lambda: [rx.release(d) for d in rx], daemon=True)
+        drained.start()
+        exchange(agent.address, data, prelude=prelude)
+        drained.join(10)
+
+
+def test_slow_and_stalled_senders_are_dropped(agent, good_client, token_file) -> None:
+    """Senders stalled mid-frame, or dribbling bytes before authenticating, hold nothing long."""
+    host, port = agent.address.rsplit(":", 1)
+    hello = frame(Kind.HELLO, HelloMeta("slow"))
+    socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(6)]
+    for s in socks[:3]:
+        s.sendall(hello[:30])  # stalls in the middle of a header
+    t0 = time.monotonic()
+    closed = set()
+    while len(closed) < len(socks) and time.monotonic() - t0 < 5:
+        for i, s in enumerate(socks):
+            if i in closed:
+                continue
+            if i >= 3:  # one byte every 50 ms: never stalls long, never finishes
+                try:
+                    s.send(hello[int((time.monotonic() - t0) * 20) % len(hello) :][:1])
+                except OSError:
+                    closed.add(i)
+                    continue
+            s.setblocking(False)
+            try:
+                if s.recv(4096) == b"":
+                    closed.add(i)
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed.add(i)
+        time.sleep(0.05)
+    FRAMES_SENT[0] += len(socks)
+    for s in socks:
+        s.close()
+    assert len(closed) == len(socks), f"{len(socks) - len(closed)} slow senders still connected"
+    assert time.monotonic() - t0 < 3.0  # handshake_timeout_s = 1
+
+
+def test_the_agent_survived_without_leaks(agent, good_client) -> None:
+    """Runs last in this module: every fuzz connection is gone and left nothing behind."""
+    print(f"fuzzed: {FRAMES_SENT[0]} frames and byte streams")
+    assert FRAMES_SENT[0] >= 10_000, FRAMES_SENT[0]
+    fds0, threads0 = good_client.baseline
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        fds, threads = resources(agent.pid)
+        if fds <= fds0 and threads <= threads0:
+            break
+        time.sleep(0.1)
+    assert agent.alive()
+    assert fds <= fds0 and threads <= threads0, ((fds, threads), good_client.baseline)
