@@ -528,37 +528,52 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def profile(
-    torch, ev: dict, ceil: dict, kern: dict, decode_points, fused_points, norm_points
-) -> dict:
+def profile(ev: dict, ceil: dict, decode_pts, fused_pts, norm_pts) -> dict:
+    """The GPU profile (nicoffload/data/profiles/h200.json is one) from this run's points."""
     kernels = {}
-    for key, pts, unit in (
-        ("decode_image", decode_points, "pixels"),
-        ("resize+center_crop+normalize", fused_points, "pixels"),
-        ("normalize", norm_points, "pixels"),
+    for key, pts in (
+        ("decode_image", decode_pts),
+        ("resize+center_crop+normalize", fused_pts),
+        ("normalize", norm_pts),
     ):
-        a, b = fit(pts)
-        kernels[key] = {
-            "a_ms": a,
-            "b_ms": b,
-            "unit": unit,
-            "points": [[float(w), float(t)] for w, t in pts],
-        }
+        a, b = (
+            fit(pts)
+            if len({w for w, _ in pts}) > 1
+            else (0.0, statistics.mean(t / w for w, t in pts))
+        )
+        kernels[key] = {"a_ms": a, "b_ms": b, "unit": "pixels", "points": [[w, t] for w, t in pts]}
+    fused = kernels["resize+center_crop+normalize"]
+    for key in ("resize", "center_crop", "resize+center_crop", "center_crop+normalize"):
+        kernels[key] = {**fused, "points": []}  # the same resampler launch
     return {
         "format": "nicoffload-profile",
         "version": 1,
         "kind": "gpu",
         "machine": {
-            k: ev[k] for k in ("gpu", "nvidia_smi", "torch", "cuda", "torchvision", "cupy")
+            k: ev[k]
+            for k in (
+                "gpu",
+                "nvidia_smi",
+                "cpu_cores",
+                "kernel",
+                "torch",
+                "cuda",
+                "torchvision",
+                "cupy",
+            )
         },
         "date": ev["date_utc"][:10],
         "method": (
-            "measured: bench/bench_gpu.py on the device, batch 256 (64 for large images); ms per "
-            "item is the batch's time divided by its items (the GPU works on a whole batch: give "
-            "the device capacity 1). decode_image: nvJPEG batched by wall clock; the fused "
-            "kernel and normalize: CUDA events; work = the chain's summed op work (pixels)."
+            f"measured: `{ev['command']}` on the device ({ev['date_utc']} UTC). ms per item = a "
+            "batch's time / its items, whole device: give the GPU capacity 1. decode_image: nvJPEG "
+            "batched (torchvision), wall clock; host-bound and noisy. resize+center_crop+normalize: "
+            "CUDA events, device time of the resampler launches; work = planner.cost.chain_work "
+            "(resize work limited to the crop window, plus crop and normalize). normalize: dense "
+            "224x224 fp16 CHW (one size: a = 0, b = mean). resize, center_crop and their other "
+            "chains run the same resampler launch: the fused chain's a, b (not measured apart). "
+            "pcie: pinned 256 MiB host-to-device copy, 4 KiB copy latency."
         ),
-        "kernels": kernels,
+        "kernels": dict(sorted(kernels.items())),
         "links": {
             "pcie": {
                 "latency_ms": ceil["h2d_4KiB_latency_ms"],
@@ -729,17 +744,20 @@ def main() -> None:
         save()
     if "profile" in secs and "kernels" in secs:
         dpts = decode_points(torch, [(data["imagenet"], 256), (extra, 128), (data["1080p"], 96)])
-        fused = []
-        for key, (_, h, w) in (
-            ("fused_256x375x500", (256, 375, 500)),
-            ("fused_64x720x1280", (64, 720, 1280)),
-            ("fused_64x1080x1920", (64, 1080, 1920)),
+        fused, crop = [], 224 * 224
+        for key, (h, w) in (
+            ("fused_256x375x500", (375, 500)),
+            ("fused_64x720x1280", (720, 1280)),
+            ("fused_64x1080x1920", (1080, 1920)),
         ):
             rw = int(256 * w / h)
-            work = h * w + 256 * rw + 2 * 224 * 224
+            work = (h * w + 256 * rw) * min(1.0, crop / (256 * rw)) + 2 * crop
             fused.append((float(work), doc["kernels"][key]["ms_per_item"]))
-        npt = [(224.0 * 224, doc["kernels"]["normalize_256x224x224x3_fp16_chw"]["ms"] / 256)]
-        prof = profile(torch, doc["env"], ceil, doc["kernels"], dpts, fused, npt)
+        npt = [
+            (float(crop), doc["kernels"]["normalize_256x224x224x3_fp16_chw"]["ms"] / 256),
+            (float(crop), doc["kernels"]["normalize_1024x224x224x3_fp16_chw"]["ms"] / 1024),
+        ]
+        prof = profile(doc["env"], ceil, dpts, fused, npt)
         (out / "h200.json").write_text(json.dumps(prof, indent=2) + "\n")
         doc["profile_points"] = {"decode": dpts, "fused": fused, "normalize": npt}
         save()
