@@ -1,9 +1,9 @@
 """Fused kernels: chains of ops computed in one pass (registered per device).
 
-resize + center_crop (+ normalize) computes only the output pixels inside the crop: the
-horizontal pass runs over just the source rows and output columns the window needs, and the
-vertical pass writes each result straight into `out` (through normalize's table when fused),
-already in the output layout. Results equal the unfused chain exactly.
+resize + center_crop (+ normalize) resamples only the output pixels inside the crop: the passes
+run over just the output rows and columns of the window and the source columns they need, and
+each result goes straight into `out` (through normalize's table when fused), already in the
+output layout; the padding, if any, is filled directly. Results equal the unfused chain exactly.
 """
 
 from __future__ import annotations
