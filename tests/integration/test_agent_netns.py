@@ -30,6 +30,7 @@ TAG = f"{os.getpid() % 100000}"
 NS, HOST_IF, NS_IF = f"nico{TAG}", f"nv{TAG}h", f"nv{TAG}n"
 SUBNET = 100 + os.getpid() % 100
 HOST_IP, NS_IP = f"10.213.{SUBNET}.1", f"10.213.{SUBNET}.2"
+RATE, LOSS_PCT = "100mbit", 1
 
 
 def sh(*args: str, ns: bool = False) -> subprocess.CompletedProcess[str]:
@@ -43,74 +44,20 @@ def must(*args: str, ns: bool = False) -> None:
 
 
 def impair(dev: str, ns: bool) -> str:
-    """Delay and loss on `dev`'s egress; returns how."""
-    if (
-        sh(
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "netem",
-            "delay",
-            "10ms",
-            "2ms",
-            "loss",
-            "1%",
-            ns=ns,
-        ).returncode
-        == 0
-    ):
-        return "netem delay 10ms loss 1%"
+    """Delay and loss on `dev`'s egress (netem), or on its traffic (tbf + nftables); says how."""
+    netem = f"netem delay 10ms 2ms loss {LOSS_PCT}%"
+    if sh("tc", "qdisc", "add", "dev", dev, "root", *netem.split(), ns=ns).returncode == 0:
+        return netem
     if shutil.which("nft") is None:
         pytest.skip(
             "no sch_netem in this kernel and no nft for random loss: apt-get install nftables"
         )
-    must(
-        "tc",
-        "qdisc",
-        "add",
-        "dev",
-        dev,
-        "root",
-        "tbf",
-        "rate",
-        "40mbit",
-        "burst",
-        "16kb",
-        "latency",
-        "50ms",
-        ns=ns,
-    )
-    must("nft", "add", "table", "inet", "nicoloss", ns=ns)
-    must(
-        "nft",
-        "add",
-        "chain",
-        "inet",
-        "nicoloss",
-        "in",
-        "{ type filter hook prerouting priority 0; }",
-        ns=ns,
-    )
-    must(
-        "nft",
-        "add",
-        "rule",
-        "inet",
-        "nicoloss",
-        "in",
-        "numgen",
-        "random",
-        "mod",
-        "100",
-        "<",
-        "2",
-        "drop",
-        ns=ns,
-    )
-    return "tbf 100mbit (queueing delay) + nftables random drop 1% (no sch_netem in this kernel)"
+    must(*f"tc qdisc add dev {dev} root tbf rate {RATE} burst 16kb latency 50ms".split(), ns=ns)
+    must(*"nft add table inet nicoloss".split(), ns=ns)
+    hook = "{ type filter hook prerouting priority 0; }"
+    must("nft", "add", "chain", "inet", "nicoloss", "in", hook, ns=ns)
+    must(*f"nft add rule inet nicoloss in numgen random mod 100 < {LOSS_PCT} drop".split(), ns=ns)
+    return f"tbf {RATE} (queueing delay) + nftables random drop {LOSS_PCT}% (no sch_netem here)"
 
 
 @pytest.fixture(scope="module")
