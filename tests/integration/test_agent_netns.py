@@ -53,7 +53,7 @@ def impair(dev: str, ns: bool) -> str:
             "no sch_netem in this kernel and no nft for random loss: apt-get install nftables"
         )
     must(*f"tc qdisc add dev {dev} root tbf rate {RATE} burst 16kb latency 50ms".split(), ns=ns)
-    must(*"nft add table inet nicoloss".split(), ns=ns)
+    must(*["nft", "add", "table", "inet", "nicoloss"], ns=ns)
     hook = "{ type filter hook prerouting priority 0; }"
     must("nft", "add", "chain", "inet", "nicoloss", "in", hook, ns=ns)
     must(*f"nft add rule inet nicoloss in numgen random mod 100 < {LOSS_PCT} drop".split(), ns=ns)
