@@ -1,7 +1,7 @@
 """The nicoffload wire format: a fixed 64-byte header, a msgpack metadata blob, then the payload.
 
-`HEADER_FIELDS` is the one source of truth; the struct format, the P4 header and the scapy layer
-are all derived from (and tested against) it. Nothing read from the wire is ever unpickled.
+`HEADER_FIELDS` is the one source of truth: the struct format is derived from it, and the P4
+header and the scapy layer must match it byte for byte. Nothing from the wire is unpickled.
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ HEADER_FIELDS: tuple[tuple[str, int], ...] = (
     ("checksum", 32),
 )
 # Byte offset of each field, for the P4 and scapy checks and for readers that peek at one field.
-_ENDS = accumulate(bits // 8 for _, bits in HEADER_FIELDS)
 FIELD_OFFSETS: dict[str, int] = {
-    name: end - bits // 8 for (name, bits), end in zip(HEADER_FIELDS, _ENDS, strict=True)
+    name: end - bits // 8
+    for (name, bits), end in zip(
+        HEADER_FIELDS, accumulate(bits // 8 for _, bits in HEADER_FIELDS), strict=True
+    )
 }
 _CODES = {8: "B", 16: "H", 32: "I", 64: "Q"}
 _STRUCT = struct.Struct("!" + "".join(_CODES[bits] for _, bits in HEADER_FIELDS))
@@ -59,7 +61,6 @@ VERSION = 1
 MAX_DIMS = 4
 MAX_META = 64 * 1024
 MAX_PAYLOAD = 1 << 30
-_LIMIT = {name: (1 << bits) - 1 for name, bits in HEADER_FIELDS}
 
 
 class Kind(IntEnum):
@@ -375,7 +376,7 @@ def decode_meta(blob: bytes | memoryview, type_: Any = Any) -> Any:
         decoder = _decoders.setdefault(type_, msgspec.msgpack.Decoder(type_))
     try:
         return decoder.decode(blob)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # a deep-nesting bomb is malformed too
         raise _bad("meta", str(exc)) from exc
 
 
@@ -389,7 +390,7 @@ def encode(header: Header, meta: Any = None) -> bytes:
 
 def error_frame(exc: BaseException, *, request_id: int = 0, slot: int = 0) -> bytes:
     """An ERROR frame that carries `exc`'s type and message (never the object itself)."""
-    message = str(exc)[: MAX_META // 2]
+    message = str(exc)[: MAX_META // 8]  # 4 bytes a character at most in UTF-8: it fits
     return encode(
         Header(Kind.ERROR, slot=slot, request_id=request_id), ErrorMeta(type(exc).__name__, message)
     )

@@ -210,7 +210,10 @@ class Unpacker:
                 raise FrameError(
                     f"malformed frame: meta: tensor {e.name!r} has dtype code {e.dtype}"
                 )
-            if min(e.shape, default=0) < 0 or len(e.shape) > 32 or e.offset < 0:
+            # numpy refuses a shape whose dims (zeros aside) multiply past its index range,
+            # even for an empty array: bound them too.
+            nonzero = math.prod(d for d in e.shape if d)
+            if min(e.shape, default=0) < 0 or len(e.shape) > 32 or nonzero > 2**48 or e.offset < 0:
                 raise FrameError(
                     f"malformed frame: meta: tensor {e.name!r} has shape {e.shape}, offset {e.offset}"
                 )

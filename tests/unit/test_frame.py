@@ -31,6 +31,7 @@ from nicoffload.transport.frame import (
     error_from_frame,
     head_size,
 )
+from nicoffload.transport.slots import Unpacker
 
 FAST = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 U = {name: (1 << bits) - 1 for name, bits in HEADER_FIELDS}
@@ -103,14 +104,14 @@ def test_pack_then_unpack_gives_the_same_header(header: Header, meta: bytes) -> 
     assert head_size(raw) == HEADER_SIZE + len(meta)
 
 
-@settings(FAST, max_examples=1000)
+@settings(FAST, max_examples=800)
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_only_frame_error(data: bytes) -> None:
     with pytest.raises(FrameError):
         Header.unpack(data)
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=400)
 @given(headers(), st.binary(max_size=64), st.data())
 def test_any_single_bit_flip_is_caught(header: Header, meta: bytes, data: st.DataObject) -> None:
     raw = bytearray(wire(header, meta))
@@ -131,7 +132,7 @@ def test_truncated_frames_raise_frame_error(
         Header.unpack(raw[:cut])
 
 
-@settings(FAST, max_examples=600)
+@settings(FAST, max_examples=400)
 @given(st.binary(min_size=60, max_size=60 + 64), st.integers(0, 1 << 40))
 def test_random_frames_with_valid_checksums_raise_only_frame_error(data: bytes, limit: int) -> None:
     meta = data[60:]
@@ -139,6 +140,33 @@ def test_random_frames_with_valid_checksums_raise_only_frame_error(data: bytes, 
     raw = head + zlib.crc32(head + meta).to_bytes(4, "big") + meta
     with contextlib.suppress(FrameError):
         Header.unpack(raw, max_payload=limit)
+
+
+_JSONISH = st.recursive(
+    st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.booleans(),
+    lambda inner: st.lists(inner, max_size=5) | st.tuples(st.text(max_size=4), inner).map(list),
+    max_leaves=20,
+)
+
+
+_ENTRY = st.tuples(
+    st.sampled_from(["a", "b"]),
+    st.integers(-2, 14),
+    st.lists(st.integers(-2, 2**34), max_size=40),
+    st.integers(-5, 2**40),
+).map(list)
+_DATA_META = st.lists(_ENTRY, max_size=3).map(lambda tensors: encode_meta([tensors, {}]))
+
+
+@settings(FAST, max_examples=300)
+@given(
+    st.one_of(st.binary(max_size=100), _JSONISH.map(encode_meta), _DATA_META), st.integers(0, 4096)
+)
+def test_random_data_metadata_raises_only_frame_error(meta: bytes, payload_len: int) -> None:
+    ring = np.zeros(4 * 4096, np.uint8)
+    header = Header(Kind.DATA, slot=1, payload_len=payload_len, meta_len=len(meta))
+    with contextlib.suppress(FrameError):
+        Unpacker(ring, 4096)(header, meta)
 
 
 @pytest.mark.parametrize(
@@ -188,6 +216,11 @@ def test_meta_round_trips_through_msgpack() -> None:
 def test_meta_larger_than_max_meta_is_refused() -> None:
     with pytest.raises(ValueError, match="MAX_META"):
         encode_meta({"x": "a" * MAX_META})
+
+
+def test_deeply_nested_meta_is_a_frame_error() -> None:
+    with pytest.raises(FrameError, match="meta"):
+        decode_meta(b"\x91" * (MAX_META - 1) + b"\xc0")
 
 
 def test_meta_is_never_unpickled() -> None:
