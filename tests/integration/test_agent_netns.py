@@ -31,6 +31,7 @@ NS, HOST_IF, NS_IF = f"nico{TAG}", f"nv{TAG}h", f"nv{TAG}n"
 SUBNET = 100 + os.getpid() % 100
 HOST_IP, NS_IP = f"10.213.{SUBNET}.1", f"10.213.{SUBNET}.2"
 RATE, LOSS_PCT = "100mbit", 1
+TABLE = f"nicoloss{TAG}"
 
 
 def sh(*args: str, ns: bool = False) -> subprocess.CompletedProcess[str]:
@@ -44,7 +45,8 @@ def must(*args: str, ns: bool = False) -> None:
 
 
 def impair(dev: str, ns: bool) -> str:
-    """Delay and loss on `dev`'s egress (netem), or on its traffic (tbf + nftables); says how."""
+    """Delay and loss on traffic through `dev` (netem, or tbf + nftables); says how. The nft
+    table matches `dev` only, and the fixture deletes it: nothing else in the host is touched."""
     netem = f"netem delay 10ms 2ms loss {LOSS_PCT}%"
     if sh("tc", "qdisc", "add", "dev", dev, "root", *netem.split(), ns=ns).returncode == 0:
         return netem
@@ -53,10 +55,11 @@ def impair(dev: str, ns: bool) -> str:
             "no sch_netem in this kernel and no nft for random loss: apt-get install nftables"
         )
     must(*f"tc qdisc add dev {dev} root tbf rate {RATE} burst 16kb latency 50ms".split(), ns=ns)
-    must(*["nft", "add", "table", "inet", "nicoloss"], ns=ns)
+    must(*f"nft add table inet {TABLE}".split(), ns=ns)
     hook = "{ type filter hook prerouting priority 0; }"
-    must("nft", "add", "chain", "inet", "nicoloss", "in", hook, ns=ns)
-    must(*f"nft add rule inet nicoloss in numgen random mod 100 < {LOSS_PCT} drop".split(), ns=ns)
+    must("nft", "add", "chain", "inet", TABLE, "in", hook, ns=ns)
+    rule = f"nft add rule inet {TABLE} in iifname {dev} numgen random mod 100 < {LOSS_PCT} drop"
+    must(*rule.split(), ns=ns)
     return f"tbf {RATE} (queueing delay) + nftables random drop {LOSS_PCT}% (no sch_netem here)"
 
 
@@ -78,6 +81,7 @@ def link() -> Iterator[str]:
         impair(NS_IF, ns=True)
         yield how
     finally:
+        sh("nft", "delete", "table", "inet", TABLE)  # the host side's; the namespace's goes with it
         sh("ip", "link", "del", HOST_IF)
         sh("ip", "netns", "del", NS)
 
