@@ -61,8 +61,9 @@ class Connection:
 
     def serve(self) -> None:
         # The deadline holds mid-frame too: a sender dribbling a byte at a time cannot keep an
-        # unauthenticated connection (and its thread) for longer than this.
-        watchdog = threading.Timer(self.cfg.handshake_timeout_s, self.stop)
+        # unauthenticated connection (and its thread) for longer than this (+1 s: a silent one
+        # is told why first, at the deadline).
+        watchdog = threading.Timer(self.cfg.handshake_timeout_s + 1.0, self.stop)
         watchdog.daemon = True
         watchdog.start()
         try:

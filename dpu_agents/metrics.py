@@ -8,8 +8,13 @@ import threading
 from collections import Counter
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client import Counter as PromCounter
+from nicoffload.errors import MissingDependency
+
+try:
+    from prometheus_client import CollectorRegistry, Gauge, Histogram
+    from prometheus_client import Counter as PromCounter
+except ImportError as exc:  # the agent's extra
+    raise MissingDependency("prometheus-client", "agent", "the DPU agent") from exc
 
 # Per-item stage time: from tens of microseconds (a crop) to a second (a huge decode).
 STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)

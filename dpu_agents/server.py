@@ -115,9 +115,10 @@ class Agent:
         doc = self.metrics.snapshot()
         doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
         with self._lock:
-            sessions = [c.session for c in self._connections if c.session is not None]
+            sessions = [(c.peer, c.session) for c in self._connections if c.session is not None]
         doc["sessions"] = {
-            s.name: {"admitted": s.admitted, "forwarded": s.forwarded} for s in sessions
+            f"{peer}/{s.name}": {"admitted": s.admitted, "forwarded": s.forwarded}
+            for peer, s in sessions
         }
         return doc
 

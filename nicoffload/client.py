@@ -73,13 +73,17 @@ class AgentClient:
         *,
         timeout: float = 10.0,
         heartbeat_s: float | None = None,
+        connect_timeout: float | None = None,
         client_name: str = "nicoffload",
     ) -> None:
+        """`timeout`: an agent silent this long is dead (heartbeats every `heartbeat_s`,
+        timeout / 4 by default); `connect_timeout` (default `timeout`) bounds connect + login."""
         self.address, self.timeout = address, timeout
+        connect_timeout = connect_timeout or timeout
         self._heartbeat_s = heartbeat_s or timeout / 4
         host, port = parse_agent_address(address)
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
@@ -94,7 +98,7 @@ class AgentClient:
         self._closed = False
         self.loaded: LoadAck | None = None
         try:
-            self.agent = self._handshake(token, client_name)
+            self.agent = self._handshake(token, client_name, connect_timeout)
         except BaseException as exc:
             self._ch.close()
             if isinstance(exc, (TransportError, OSError)):
@@ -106,19 +110,19 @@ class AgentClient:
         self._reader.start()
         self._beater.start()
 
-    def _handshake(self, token: bytes, client_name: str) -> WelcomeMeta:
+    def _handshake(self, token: bytes, client_name: str, timeout: float) -> WelcomeMeta:
         self._ch.send(frame(Kind.HELLO, HelloMeta(client_name)))
-        challenge = decode_meta(self._expect(Kind.CHALLENGE), ChallengeMeta)
+        challenge = decode_meta(self._expect(Kind.CHALLENGE, timeout), ChallengeMeta)
         mine = auth.nonce()
         proof = auth.client_proof(token, challenge.nonce, mine)
         self._ch.send(frame(Kind.AUTH, AuthMeta(mine, proof)))
-        welcome = decode_meta(self._expect(Kind.WELCOME), WelcomeMeta)
+        welcome = decode_meta(self._expect(Kind.WELCOME, timeout), WelcomeMeta)
         auth.check(auth.server_proof(token, challenge.nonce, mine), welcome.proof, "agent")
         return welcome
 
-    def _expect(self, kind: Kind) -> bytes:
-        if not self._ch.readable(self.timeout):
-            raise AgentError(f"agent at {self.address}: no {kind.name} within {self.timeout} s")
+    def _expect(self, kind: Kind, timeout: float) -> bytes:
+        if not self._ch.readable(timeout):
+            raise AgentError(f"agent at {self.address}: no {kind.name} within {timeout} s")
         got = self._ch.read_head(0)
         if got is None:
             raise AgentError(f"agent at {self.address} closed the connection")

@@ -3,7 +3,6 @@ override the file, and the command line refuses to start without a usable token 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
