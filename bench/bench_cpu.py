@@ -7,7 +7,7 @@ sizes). Every method turns the same JPEG bytes into the same float16 CHW 3x224x2
 ours (decode kernel with DCT scaling -> fused resize/crop/normalize kernel), Pillow + numpy
 (torchvision's recipe), OpenCV (imdecode, resize INTER_AREA/LINEAR, crop, numpy normalize);
 plus decode alone, at the scale our pipeline decodes at and at full size. Methods run
-interleaved, several rounds; the median round counts. Writes the table to --output.
+interleaved over several rounds; per image the least CPU time counts. Writes the table to --output.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ def methods() -> dict:
 
 
 def run(images: list[bytes], fns: dict, rounds: int) -> dict[str, np.ndarray]:
-    """CPU seconds of each method on each image: the median over rounds, which run interleaved
+    """CPU seconds of each method on each image: the least over rounds, which run interleaved
     (the method order rotating). CPU time of this pinned thread, where every method does all its
-    work: unlike wall time it does not count moments when other processes hold the core."""
+    work: unlike wall time it does not count moments when other processes hold the core, and the
+    least of several runs drops what their cache pollution adds (timeit's rule)."""
     times = {name: np.zeros((rounds, len(images))) for name in fns}
     names = list(fns)
     clock = time.thread_time
@@ -104,7 +105,7 @@ def run(images: list[bytes], fns: dict, rounds: int) -> dict[str, np.ndarray]:
                 start = clock()
                 fn(data)
                 row[i] = clock() - start
-    return {name: np.median(t, axis=0) for name, t in times.items()}
+    return {name: t.min(axis=0) for name, t in times.items()}
 
 
 def size_class(pixels: int) -> str:
@@ -139,8 +140,8 @@ def markdown(res: dict) -> str:
         f"- machine: {res['machine']} ({os.cpu_count()} logical CPUs), pinned to one core",
         f"- command: `{res['command']}`",
         f"- corpus: {res['corpus']['images']} sample JPEGs ({res['corpus']['summary']})",
-        f"- timing: {res['rounds']} interleaved rounds; per image the median CPU time of the "
-        "benchmark thread (other load on a shared machine does not count); "
+        f"- timing: {res['rounds']} interleaved rounds; per image the least CPU time of the "
+        "benchmark thread over the rounds (other load on a shared machine does not count); "
         "output float16 CHW 3x224x224 for every pipeline",
         "",
         "| method | images/s per core | ms/image | "
