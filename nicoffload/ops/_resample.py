@@ -78,7 +78,9 @@ def padded_coeffs(in_size: int, out_size: int, antialias: bool = True):
     return _pad(bounds, weights, in_size)
 
 
-LANES = 48  # vector lanes of the horizontal pass: a block of LANES // C output rows x C channels
+# Lanes of the horizontal pass: a block of LANES // C output rows x C channels. 144 was the
+# fastest of 24..192 (longer blocks spread each column's setup over more rows).
+LANES = 144
 
 
 @numba.njit(**_JIT)
@@ -115,11 +117,18 @@ def resample(src, xs, xw, yb, yw, oy0, oy1, ox0, ox1, lut, dst, dy, dx, mode):
         for r in range(rows):  # vertical pass, one output row at a time
             oy = b0 + r
             acc[:] = _HALF
-            for k in range(yb[oy, 1]):
-                w = yw[oy, k]
-                src_row = src[yb[oy, 0] + k].reshape(-1)[sx0 * c : (sx0 + ncol) * c]
+            taps_y, y0 = yb[oy, 1], yb[oy, 0]
+            for k in range(0, taps_y - 1, 2):  # two source rows per sweep over acc
+                w0, w1 = yw[oy, k], yw[oy, k + 1]
+                r0 = src[y0 + k].reshape(-1)[sx0 * c : (sx0 + ncol) * c]
+                r1 = src[y0 + k + 1].reshape(-1)[sx0 * c : (sx0 + ncol) * c]
                 for i in range(ncol * c):
-                    acc[i] += np.int32(src_row[i]) * w
+                    acc[i] += np.int32(r0[i]) * w0 + np.int32(r1[i]) * w1
+            if taps_y % 2:
+                w0 = yw[oy, taps_y - 1]
+                r0 = src[y0 + taps_y - 1].reshape(-1)[sx0 * c : (sx0 + ncol) * c]
+                for i in range(ncol * c):
+                    acc[i] += np.int32(r0[i]) * w0
             for i in range(ncol * c):
                 line[i] = _clip8(acc[i])
             if c == 3:
