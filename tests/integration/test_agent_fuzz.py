@@ -280,12 +280,12 @@ def exchange(address: str, data: list[bytes], *, prelude=None, deadline: float =
 def authenticate(token: bytes):
     def prelude(ch: Channel) -> None:
         ch.send(frame(Kind.HELLO, HelloMeta("fuzz")))
-        ch.readable(5)
+        assert ch.readable(30), "no CHALLENGE"
         challenge = ch.read_head(0)
         nonce = decode_meta(challenge[1], ChallengeMeta).nonce
         mine = auth.nonce()
         ch.send(frame(Kind.AUTH, AuthMeta(mine, auth.client_proof(token, nonce, mine))))
-        ch.readable(5)
+        assert ch.readable(30), "no WELCOME"
         assert ch.read_head(0)[0].kind is Kind.WELCOME
 
     return prelude
@@ -333,13 +333,29 @@ def test_streams_into_a_loaded_stage_fail_items_or_the_connection(
             payload = DECODE_YAML.encode() + json.dumps(pipeline_plan.to_json()).encode()
             meta = LoadMeta(pipeline_plan.stages[0].name, rx.address, 4, 1.0, len(DECODE_YAML))
             ch.send(frame(Kind.LOAD, meta, request_id=1, payload=len(payload)) + payload)
-            ch.readable(10)
+            assert ch.readable(30), "no answer to LOAD"
             assert ch.read_head(0)[0].kind is Kind.ACK
 
-        drained = threading.Thread(target=lambda: [rx.release(d) for d in rx], daemon=True)
-        drained.start()
-        exchange(agent.address, data, prelude=prelude)
-        drained.join(10)
+        stop = threading.Event()
+
+        def release_all() -> None:
+            # recv with a timeout: a recv blocked for ever would keep rx.close() waiting
+            while not stop.is_set():
+                try:
+                    d = rx.recv(timeout=0.1)
+                except TransportError:
+                    continue
+                if d is None:
+                    return
+                rx.release(d)
+
+        releaser = threading.Thread(target=release_all, daemon=True)
+        releaser.start()
+        try:
+            exchange(agent.address, data, prelude=prelude, deadline=15.0)
+        finally:
+            stop.set()
+            releaser.join(10)
 
 
 def test_slow_and_stalled_senders_are_dropped(agent, good_client, token_file) -> None:
