@@ -253,7 +253,8 @@ class Session:
                 rows[row] = None
         cut = max(16, 32_000 // max(1, len(batch.failed)))  # keeps the meta under MAX_META
         failed = {batch.ids[r]: [why, detail[:cut]] for r, (why, detail) in batch.failed.items()}
-        meta = {"request_ids": batch.ids, "failed": failed}
+        # sent_ns lets a host on the same clock time the transfer (run --json "transfers")
+        meta = {"request_ids": batch.ids, "failed": failed, "sent_ns": time.time_ns()}
         self.sender.send(
             tensors, request_id=batch.ids[0], batch_size=n, meta=meta, timeout=self._forward_timeout
         )

@@ -6,19 +6,23 @@ numpy arrays with per-item status and the run's measurements (`RunStats`, the `r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nicoffload.errors import DeviceError
 from nicoffload.graph import Pipeline, load_pipeline
 from nicoffload.inputs import values_items
-from nicoffload.planner.plan import Plan
+from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.executor import Batch, Executor, ItemFailure
+from nicoffload.runtime.remote import RemoteFront
+from nicoffload.topology import Topology
 
 
 @dataclass
@@ -33,6 +37,8 @@ class RunStats:
     host_cpu_s: float = 0.0
     placement: dict[str, str] = field(default_factory=dict)
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failover: str | None = None  # why the DPU agent's items were taken back to the host
     batches: int = 0
 
     @property
@@ -58,6 +64,8 @@ class RunStats:
             },
             "placement": self.placement,
             "stages": self.stages,
+            "transfers": self.transfers,
+            "failover": self.failover,
             "host_cpu_ms_per_item": round(self.host_cpu_ms_per_item, 4),
             "wall_s": round(self.wall_s, 4),
             "batches": self.batches,
@@ -87,43 +95,131 @@ class RunResult:
         }
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What a run needs besides its items: the pipeline, its plan, and the topology's devices."""
+
+    pipeline: Pipeline
+    plan: Plan
+    topology: Topology | None = None
+    token_file: str | Path | None = None  # the token of a real (not emulated) DPU agent
+
+
 def prepare(
     pipeline: Pipeline | str | Path,
     plan: Plan | str | Path | None = None,
-    topology: str | Path | None = None,
-) -> tuple[Pipeline, Plan]:
+    topology: Topology | str | Path | None = None,
+    token_file: str | Path | None = None,
+) -> Prepared:
     """The pipeline and the plan to run it with: the given plan, else one planned now.
 
-    Without a topology the local machine's host CPU is planned for: the executor in this
-    version runs host stages only (split DPU/GPU execution joins it with the agent runtime).
+    Without a topology the local machine is planned for: the host CPU plus an emulated DPU
+    (a local agent on loopback, pinned to a share of the cores).
     """
+    from nicoffload.topology import load_topology, local_topology
+
     if not isinstance(pipeline, Pipeline):
         pipeline = load_pipeline(pipeline)
+    if isinstance(topology, (str, Path)):
+        topology = load_topology(topology)
     if plan is None:
         from nicoffload.planner import plan_for
-        from nicoffload.topology import local_topology
 
-        topo = topology if topology is not None else local_topology(emulate_dpu=False, gpu=False)
-        plan = plan_for(pipeline, topo)
+        topology = topology or local_topology(gpu=False)
+        plan = plan_for(pipeline, topology)
     elif not isinstance(plan, Plan):
         source = str(plan)
         plan = Plan.load(plan)
         plan.check_matches(pipeline, source)
-    return pipeline, plan
+    if topology is None and plan.topology == "local":
+        topology = local_topology(gpu=False)
+    return Prepared(pipeline, plan, topology, token_file)
+
+
+@contextlib.contextmanager
+def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
+    """The agent serving the plan's leading DPU stage (started here when emulated), or None."""
+    first = prep.plan.stages[0]
+    if first.kind != "dpu":
+        yield None
+        return
+    if prep.topology is None or first.device not in prep.topology.ids:
+        raise DeviceError(
+            f"stage '{first.name}' runs on '{first.device}': give the topology that says where "
+            "its agent listens (--topology)"
+        )
+    device = prep.topology.device(first.device)
+    link = next((t.transport for t in prep.plan.transfers if t.src_stage == first.name), "tcp")
+    from nicoffload.runtime.remote import open_front as _open
+
+    with _open(
+        prep.pipeline,
+        first,
+        device,
+        transport="shm" if link == "shm" else "tcp",
+        token_file=prep.token_file,
+    ) as front:
+        yield front
+
+
+def _stage_doc(stage: StagePlan, measured: float, steps: dict[str, float] | None) -> dict[str, Any]:
+    predicted = stage.predicted_ms_per_item
+    doc: dict[str, Any] = {
+        "device": stage.device,
+        "nodes": list(stage.nodes),
+        "ms_per_item": round(measured, 4),
+        "predicted_ms_per_item": None if predicted is None else round(predicted, 4),
+        "error_pct": None
+        if predicted is None or measured == 0
+        else round(100 * (predicted - measured) / measured, 1),
+    }
+    if steps is not None:
+        doc["steps"] = {k: round(v, 4) for k, v in steps.items()}
+    return doc
+
+
+def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> None:
+    steps = ex.step_ms_per_item()
+    if front is not None:
+        remote = front.remote_stats()
+        stats.stages[front.stage.name] = _stage_doc(
+            front.stage, float(remote.get("ms_per_item", 0.0)), None
+        )
+        t = front.transfer
+        for tr in ex.plan.transfers:
+            if tr.src_stage == front.stage.name:
+                stats.transfers[f"{tr.src_stage}->{tr.dst_stage}"] = {
+                    "tensor": tr.tensor,
+                    "transport": tr.transport,
+                    "batches": t.batches,
+                    "bytes_per_item": round(t.bytes / t.items) if t.items else 0,
+                    "ms_per_batch": round(t.flight_ns / t.timed / 1e6, 4) if t.timed else None,
+                    "predicted_ms_per_item": tr.predicted_ms_per_item,
+                }
+        stats.failover = ex.failed_over
+    stages = list(ex.host)
+    if ex.fallback is not ex.host and any(
+        k.startswith(ex.fallback[0].plan.name + ":") for k in steps
+    ):
+        stages.insert(0, ex.fallback[0])
+    for stage in stages:
+        mine = {st.name: steps.get(f"{stage.plan.name}:{st.name}", 0.0) for st in stage.steps}
+        stats.stages[stage.plan.name] = _stage_doc(stage.plan, float(sum(mine.values())), mine)
 
 
 def stream(
-    pipeline: Pipeline,
-    plan: Plan,
+    prep: Prepared,
     items: Iterable[tuple[str, Any]],
     stats: RunStats,
     *,
     workers: int | None = None,
-    on_batch: Callable[[Batch], None] | None = None,
 ) -> Iterator[Batch]:
     """Run and yield batches; `stats` is filled as the run goes and complete at the end."""
-    with Executor(pipeline, plan, workers=workers) as ex:
-        stats.placement = dict(plan.placement)
+    with (
+        open_front(prep) as front,
+        Executor(prep.pipeline, prep.plan, workers=workers, front=front) as ex,
+    ):
+        stats.placement = dict(prep.plan.placement)
         cpu0, t0 = time.process_time(), time.perf_counter()
         reasons: Counter[str] = Counter()
         for batch in ex.stream(items):
@@ -133,27 +229,11 @@ def stream(
             reasons.update(f.reason for f in batch.failures)
             stats.latencies_s.extend(batch.latencies_s.tolist())
             stats.wall_s = time.perf_counter() - t0
-            if on_batch:
-                on_batch(batch)
             yield batch
         stats.wall_s = time.perf_counter() - t0
         stats.host_cpu_s = time.process_time() - cpu0
         stats.errors_by_reason = dict(reasons)
-        steps = ex.step_ms_per_item()
-        for stage in ex.stages:
-            names = [st.name for st in stage.steps]
-            measured = float(sum(steps[n] for n in names))
-            predicted = stage.plan.predicted_ms_per_item
-            stats.stages[stage.plan.name] = {
-                "device": stage.plan.device,
-                "nodes": list(stage.plan.nodes),
-                "ms_per_item": round(measured, 4),
-                "predicted_ms_per_item": None if predicted is None else round(predicted, 4),
-                "error_pct": None
-                if predicted is None or measured == 0
-                else round(100 * (predicted - measured) / measured, 1),
-                "steps": {n: round(float(steps[n]), 4) for n in names},
-            }
+        _finish_stats(stats, ex, front)
 
 
 def run(
@@ -162,6 +242,7 @@ def run(
     *,
     plan: Plan | str | Path | None = None,
     topology: str | Path | None = None,
+    token_file: str | Path | None = None,
     workers: int | None = None,
 ) -> RunResult:
     """Run a pipeline over `inputs` and return every output as numpy arrays in item order.
@@ -169,12 +250,13 @@ def run(
     `inputs`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name to
     value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`, not raised.
     """
-    pipeline, plan = prepare(pipeline, plan, topology)
+    prep = prepare(pipeline, plan, topology, token_file)
+    pipeline = prep.pipeline
     stats = RunStats()
     names: list[str] = []
     parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
     oks, failures = [], []
-    for batch in stream(pipeline, plan, values_items(pipeline, inputs), stats, workers=workers):
+    for batch in stream(prep, values_items(pipeline, inputs), stats, workers=workers):
         names.extend(batch.names)
         oks.append(batch.ok.copy())
         failures.extend(batch.failures)

@@ -51,7 +51,12 @@ def run(
     ),
     plan: Path | None = typer.Option(None, "--plan", help="a plan from `nicoffload plan --output`"),
     topology: Path | None = typer.Option(
-        None, "--topology", help="plan for this topology file (default: this machine's host CPU)"
+        None,
+        "--topology",
+        help="plan for this topology file (default: this machine: host CPU + a local DPU agent)",
+    ),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="the shared secret of the DPU agents the topology names"
     ),
     workers: int | None = typer.Option(
         None, "--workers", min=1, help="worker threads (default: usable cores)"
@@ -63,7 +68,8 @@ def run(
     per-stage time and host-CPU time. Corrupt items are counted by reason, never fatal."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
-    pl, the_plan = prepare(pipeline, plan, topology)
+    prep = prepare(pipeline, plan, topology, token_file)
+    pl = prep.pipeline
     err = Console(stderr=True)
     if sample is not None:
         with err.status(f"making {sample} sample items"):
@@ -84,7 +90,7 @@ def run(
     )
     with progress:
         task = progress.add_task(pl.name, total=count)
-        for batch in stream(pl, the_plan, items, stats, workers=workers):
+        for batch in stream(prep, items, stats, workers=workers):
             if writer:
                 writer.write(batch)
             progress.advance(task, len(batch))

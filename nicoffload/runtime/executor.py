@@ -1,9 +1,11 @@
 """Executor: stream items through a plan's stages in batches on a worker pool.
 
-One feeder thread admits items (bounded by the batch-slot ring: backpressure), worker threads
-run each item through the bound kernels (which release the GIL) straight into its batch slot,
-and the caller receives whole batches in order. A failing item is recorded with its reason and
-never stops the run; any other exception in a worker is carried to the caller and re-raised.
+A feeder admits items in order (bounded by the batch-slot ring: backpressure) and routes each
+one: to the DPU agent when the plan starts with a DPU stage (`RemoteFront`), else straight to the
+host workers. Workers run an item through its host stages (kernels release the GIL) into its
+batch slot; the caller receives whole batches in order. A failing item is recorded with its
+reason and never stops the run; an agent that dies has its unfinished items run on the host;
+any other exception in a worker is carried to the caller and re-raised.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nicoffload.errors import DeviceError, ItemError, SystemFailure
+from nicoffload.errors import AgentError, DeviceError, ItemError, SystemFailure
 from nicoffload.graph import Pipeline
-from nicoffload.planner.plan import Plan
+from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
+from nicoffload.runtime.remote import RemoteFront, leaving
 from nicoffload.runtime.stage import Stage
 
 Item = tuple[str, Mapping[str, Any]]  # (name, {input name: bytes or str})
@@ -60,38 +63,65 @@ class _Open:
     names: list[str] = field(default_factory=list)
     admitted: list[float] = field(default_factory=list)
     failures: list[ItemFailure] = field(default_factory=list)
-    pending: int = 0
-    closed: bool = False
+    pending: int = 1  # the feeder's own hold until the batch is closed
     done_at: float = 0.0
 
 
+@dataclass
+class _Task:
+    batch: _Open
+    row: int
+    index: int
+    name: str
+    values: Mapping[str, Any]
+    route: tuple[Stage, ...] = ()
+    release: Callable[[], None] | None = None
+
+
 class Executor:
-    """Runs the local stages of a plan. Use as a context manager; `stream(items)` yields Batches."""
+    """Runs a plan. Use as a context manager; `stream(items)` yields Batches in order.
+
+    A plan may start with one DPU stage, served by `front`; every other stage runs here on the
+    host CPU. The DPU stage's nodes are also bound on the host, for failover.
+    """
 
     def __init__(
-        self, pipeline: Pipeline, plan: Plan, workers: int | None = None, slots: int = 3
+        self,
+        pipeline: Pipeline,
+        plan: Plan,
+        workers: int | None = None,
+        slots: int = 3,
+        front: RemoteFront | None = None,
     ) -> None:
         plan.check_matches(pipeline)
-        remote = [s for s in plan.stages if s.kind != "cpu"]
-        if remote:
-            raise DeviceError(
-                f"stage '{remote[0].name}' is placed on '{remote[0].device}'; this executor runs host "
-                "stages only; run the plan through nicoffload.run, which starts the device runtimes"
-            )
-        self.pipeline = pipeline
-        self.plan = plan
+        first, rest = plan.stages[0], plan.stages[1:]
+        lead = first if first.kind == "dpu" else None
+        for s in rest if lead else plan.stages:
+            if s.kind != "cpu":
+                raise DeviceError(
+                    f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
+                    "stage (through its agent) and host CPU stages; plan with a topology without it"
+                )
+        if lead is not None and front is None:
+            raise DeviceError(f"stage '{lead.name}' needs a DPU agent for '{lead.device}'")
+        self.pipeline, self.plan, self.front = pipeline, plan, front
         self.batch_size = pipeline.batch_max_size
         self.max_wait_s = pipeline.batch_max_wait_ms / 1000
         keep = {str(r) for r in pipeline.outputs.values()}
-        self.stages = [Stage(pipeline, s, keep) for s in plan.stages]
+        self.host = tuple(Stage(pipeline, s, keep) for s in (rest if lead else plan.stages))
+        self.fallback: tuple[Stage, ...] = self.host
+        if lead is not None:
+            as_host = StagePlan(f"{lead.name}@host", "cpu", "cpu", lead.nodes)
+            self.fallback = (
+                Stage(pipeline, as_host, keep | set(leaving(pipeline, lead))),
+                *self.host,
+            )
         self.workers = workers or len(os.sched_getaffinity(0))
         self.out_refs = {name: str(ref) for name, ref in pipeline.outputs.items()}
         self._ring = SlotRing(pipeline.output_specs(), self.batch_size, slots)
-        self.step_names = [st.name for stage in self.stages for st in stage.steps]
-        self.step_ns = np.zeros(len(self.step_names), dtype=np.int64)
-        self.step_items = np.zeros(len(self.step_names), dtype=np.int64)
+        self.steps: dict[str, list[int]] = {}  # step name -> [ns, calls]
+        self.failed_over: str | None = None
         self._lock = threading.Lock()
-        self._closed = False
 
     def __enter__(self) -> Executor:
         return self
@@ -100,30 +130,21 @@ class Executor:
         self.close()
 
     def close(self) -> None:
-        self._closed = True
+        pass  # the slots are plain memory; the front belongs to whoever made it
 
-    def _process(
-        self,
-        values: dict[str, Any],
-        slot: BatchSlot,
-        row: int,
-        step_ns: list[int],
-        step_n: list[int],
-    ) -> None:
-        dests = {
-            ref: slot.arrays[name][row]
-            for name, ref in self.out_refs.items()
-            if name in slot.arrays
-        }
-        offset = 0
-        for stage in self.stages:
-            n = len(stage.steps)
-            ns, cnt = step_ns[offset : offset + n], step_n[offset : offset + n]
+    def _process(self, task: _Task, acc: dict[str, list[int]]) -> None:
+        slot, row = task.batch.slot, task.row
+        dests = {ref: slot.arrays[n][row] for n, ref in self.out_refs.items() if n in slot.arrays}
+        values = dict(task.values)
+        for stage in task.route:
+            ns, calls = [0] * len(stage.steps), [0] * len(stage.steps)
             try:
-                stage.process(values, dests, ns, cnt)
+                stage.process(values, dests, ns, calls)
             finally:
-                step_ns[offset : offset + n], step_n[offset : offset + n] = ns, cnt
-            offset += n
+                for st, t, c in zip(stage.steps, ns, calls, strict=True):
+                    a = acc.setdefault(f"{stage.plan.name}:{st.name}", [0, 0])
+                    a[0] += t
+                    a[1] += c
         for name, ref in self.out_refs.items():
             if name in slot.ragged:
                 slot.ragged[name][row] = np.array(values[ref], copy=True)
@@ -131,53 +152,75 @@ class Executor:
     def stream(self, items: Iterable[Item]) -> Iterator[Batch]:
         """Process `items`; yield finished batches in order. A worker's crash is re-raised here."""
         work: queue.Queue[Any] = queue.Queue(maxsize=self.workers * 4)
+        source: queue.Queue[Any] = queue.Queue(maxsize=self.batch_size * 2)
         ready: dict[int, _Open] = {}
         cond = threading.Condition()
         failure: list[BaseException] = []
         total: list[int] = []  # the number of batches, once the feeder has seen the end
+        admitted = threading.Event()  # the feeder has admitted every item
         stop = threading.Event()
+        front = self.front
 
-        def finish_one(b: _Open) -> None:
+        def fail(exc: BaseException) -> None:
+            with cond:
+                failure.append(exc)
+                cond.notify_all()
+            stop.set()
+
+        def finish(b: _Open) -> None:
             with cond:
                 b.pending -= 1
-                if b.closed and b.pending == 0:
-                    b.done_at = time.perf_counter()
-                    ready[b.index] = b
-                    cond.notify_all()
-
-        def worker() -> None:
-            step_ns = [0] * len(self.step_names)
-            step_n = [0] * len(self.step_names)
-            while True:
-                task = work.get()
-                if task is _END:
-                    break
-                b, row, index, name, values = task
-                try:
-                    self._process(dict(values), b.slot, row, step_ns, step_n)
-                except ItemError as exc:
-                    with cond:
-                        b.failures.append(ItemFailure(index, name, exc.reason, exc.detail))
-                except BaseException as exc:  # carried to the consumer
-                    with cond:
-                        failure.append(exc)
-                        cond.notify_all()
-                    stop.set()
-                finish_one(b)
-            with self._lock:
-                self.step_ns += np.array(step_ns, dtype=np.int64)
-                self.step_items += np.array(step_n, dtype=np.int64)
-
-        def close(b: _Open) -> None:
-            with cond:
-                b.closed = True
-                b.pending -= 1  # the feeder's own hold on the batch
                 if b.pending == 0:
                     b.done_at = time.perf_counter()
                     ready[b.index] = b
                     cond.notify_all()
 
-        source: queue.Queue[Any] = queue.Queue(maxsize=self.batch_size * 2)
+        def failed(task: _Task, reason: str, detail: str) -> None:
+            with cond:
+                task.batch.failures.append(ItemFailure(task.index, task.name, reason, detail))
+
+        def worker() -> None:
+            acc: dict[str, list[int]] = {}
+            while (task := work.get()) is not _END:
+                try:
+                    self._process(task, acc)
+                except ItemError as exc:
+                    failed(task, exc.reason, exc.detail)
+                except BaseException as exc:  # carried to the consumer
+                    fail(exc)
+                finally:
+                    if task.release:
+                        task.release()
+                finish(task.batch)
+            with self._lock:
+                for k, (t, c) in acc.items():
+                    a = self.steps.setdefault(k, [0, 0])
+                    a[0] += t
+                    a[1] += c
+
+        def on_row(task: _Task, values, why, release) -> None:
+            if why is not None:
+                failed(task, *why)
+                release()
+                finish(task.batch)
+                return
+            task.values, task.route, task.release = values, self.host, release
+            work.put(task)
+
+        def take_back(why: str) -> None:
+            assert front is not None
+            tasks = front.take_back(why)
+            self.failed_over = self.failed_over or why
+            for task in tasks:
+                task.route = self.fallback
+                work.put(task)
+
+        def receiver() -> None:
+            assert front is not None
+            try:
+                front.receive(lambda: admitted.is_set() and not front.pending, on_row, take_back)
+            except BaseException as exc:
+                fail(exc)
 
         def reader() -> None:
             try:
@@ -186,10 +229,22 @@ class Executor:
                         break
                     source.put(it)
             except BaseException as exc:
-                with cond:
-                    failure.append(exc)
-                    cond.notify_all()
+                fail(exc)
             source.put(_END)
+
+        def route(task: _Task) -> None:
+            if front is not None and front.alive:
+                try:
+                    front.submit(task)
+                    return
+                except AgentError as exc:
+                    take_back(str(exc))  # includes this task, recorded before the submit
+                    return
+            task.route = self.fallback
+            work.put(task)
+
+        def close(b: _Open) -> None:
+            finish(b)
 
         def feeder() -> None:
             index = batch_no = 0
@@ -207,7 +262,7 @@ class Executor:
                 if it is _END:
                     break
                 if current is None:
-                    current = _Open(self._ring.take(), batch_no, index, pending=1)
+                    current = _Open(self._ring.take(), batch_no, index)
                     batch_no += 1
                 name, values = it
                 row = len(current.names)
@@ -215,15 +270,14 @@ class Executor:
                     current.names.append(name)
                     current.admitted.append(time.perf_counter())
                     current.pending += 1
-                work.put((current, row, index, name, values))
+                route(_Task(current, row, index, name, values))
                 index += 1
                 if len(current.names) == self.batch_size:
                     close(current)
                     current = None
             if current is not None:
                 close(current)
-            for _ in range(self.workers):
-                work.put(_END)
+            admitted.set()
             with cond:
                 total.append(batch_no)
                 cond.notify_all()
@@ -232,20 +286,19 @@ class Executor:
             threading.Thread(target=worker, name=f"nicoffload-worker-{i}", daemon=True)
             for i in range(self.workers)
         ]
-        threads += [
-            threading.Thread(target=reader, daemon=True),
-            threading.Thread(target=feeder, daemon=True),
-        ]
+        threads += [threading.Thread(target=f, daemon=True) for f in (reader, feeder)]
+        if front is not None:
+            threads.append(
+                threading.Thread(target=receiver, name="nicoffload-receiver", daemon=True)
+            )
         for t in threads:
             t.start()
         next_index = 0
         try:
             while True:
                 with cond:
-                    while (
-                        next_index not in ready
-                        and not failure
-                        and not (total and next_index >= total[0])
+                    while not (
+                        next_index in ready or failure or (total and next_index >= total[0])
                     ):
                         cond.wait()
                     if failure:
@@ -260,20 +313,20 @@ class Executor:
                 self._ring.give(b.slot)
         finally:
             stop.set()
-            self._drain(work, source)
-
-    def _drain(self, work: queue.Queue[Any], source: queue.Queue[Any]) -> None:
-        for q in (work, source):
-            while True:
+            admitted.set()
+            for q in (work, source):
+                while True:
+                    try:
+                        q.get_nowait()
+                    except queue.Empty:
+                        break
+            for _ in range(self.workers):
                 try:
-                    q.get_nowait()
-                except queue.Empty:
+                    work.put_nowait(_END)
+                except queue.Full:
                     break
-        for _ in range(self.workers):
-            try:
-                work.put_nowait(_END)
-            except queue.Full:
-                break
+            for t in threads[: self.workers]:
+                t.join(timeout=5.0)  # their step times are merged as they exit
 
     def _to_batch(self, b: _Open) -> Batch:
         n = len(b.names)
@@ -282,24 +335,13 @@ class Executor:
             ok[f.index - b.start] = False
         outputs: dict[str, Any] = {k: a[:n] for k, a in b.slot.arrays.items()}
         outputs.update({k: list(v[:n]) for k, v in b.slot.ragged.items()})
-        for _k, a in b.slot.arrays.items():
+        for a in b.slot.arrays.values():
             a[:n][~ok] = 0  # a failed row never carries a stale result from an earlier batch
         lat = b.done_at - np.array(b.admitted)
-        return Batch(
-            b.index,
-            b.start,
-            list(b.names),
-            outputs,
-            ok,
-            sorted(b.failures, key=lambda f: f.index),
-            lat,
-        )
+        failures = sorted(b.failures, key=lambda f: f.index)
+        return Batch(b.index, b.start, list(b.names), outputs, ok, failures, lat)
 
     def step_ms_per_item(self) -> dict[str, float]:
+        """Per `stage:step`, the measured ms per item (one worker's time, not wall time)."""
         with self._lock:
-            return {
-                name: (ns / 1e6 / cnt if cnt else 0.0)
-                for name, ns, cnt in zip(
-                    self.step_names, self.step_ns, self.step_items, strict=True
-                )
-            }
+            return {k: (t / 1e6 / c if c else 0.0) for k, (t, c) in self.steps.items()}

@@ -1,0 +1,227 @@
+"""RemoteFront: the leading DPU stage of a plan, run by a DPU agent.
+
+Items are submitted to the agent's ingress (request id = item index + 1); the agent writes the
+stage's outputs into a receiver this process listens on. Every submitted item stays in `pending`
+until its result is claimed, so when the agent dies the unclaimed items are handed back to run
+on the host, and a late result for an item already taken back is ignored: exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from nicoffload.errors import AgentError, DeviceError, TransportError
+from nicoffload.graph import Pipeline, Ref
+from nicoffload.planner.plan import Plan, StagePlan, stages_for
+from nicoffload.topology import Device
+from nicoffload.transport import Delivery, Receiver
+from nicoffload.transport.slots import ALIGN
+
+POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
+
+
+@dataclass
+class TransferStats:
+    batches: int = 0
+    items: int = 0
+    bytes: int = 0
+    flight_ns: int = 0  # agent send -> host receipt, summed over batches (same-host clocks)
+    timed: int = 0
+
+
+@dataclass
+class _Release:
+    """Releases a delivery's slot once every row claimed from it has been processed."""
+
+    receiver: Receiver
+    delivery: Delivery
+    left: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.left -= 1
+            done = self.left == 0
+        if done:
+            self.receiver.release(self.delivery)
+
+
+class RemoteFront:
+    """Submit items to an agent and turn its deliveries back into host work."""
+
+    def __init__(self, stage: StagePlan, client: Any, receiver: Receiver, keys: list[str]) -> None:
+        self.stage = stage
+        self.client = client  # an AgentClient with the stage loaded, forwarding to `receiver`
+        self.receiver = receiver
+        self.keys = keys  # the value keys the host needs from the stage
+        self.pending: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.dead: str | None = None
+        self.transfer = TransferStats()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.client.alive
+
+    def submit(self, task: Any) -> None:
+        """Record then submit; AgentError leaves the task pending for `take_back`."""
+        with self.lock:
+            self.pending[task.index] = task
+        self.client.submit(task.index + 1, task.values)
+
+    def take_back(self, why: str) -> list[Any]:
+        """The agent is gone: every unclaimed task, to be run on the host."""
+        with self.lock:
+            self.dead = self.dead or why
+            tasks = [self.pending[i] for i in sorted(self.pending)]
+            self.pending.clear()
+        return tasks
+
+    def receive(
+        self,
+        finished: Callable[[], bool],
+        on_row: Callable[[Any, dict[str, Any] | None, tuple[str, str] | None, _Release], None],
+        on_death: Callable[[str], None],
+    ) -> None:
+        """Loop until `finished()`: claim each delivered row and hand it to `on_row`."""
+        while not finished():
+            if not self.alive:
+                on_death(self.dead or "the agent stopped answering")
+                return
+            try:
+                d = self.receiver.recv(timeout=POLL_S)
+            except TransportError as exc:
+                if " within " in str(exc):  # an idle poll, not a failure
+                    continue
+                on_death(f"the agent's transfer failed: {exc}")
+                return
+            if d is None:
+                on_death("the agent closed its transfer")
+                return
+            self._take(d, on_row)
+
+    def _take(self, d: Delivery, on_row) -> None:
+        now = time.time_ns()
+        t = self.transfer
+        t.batches += 1
+        t.bytes += sum(a.nbytes for a in d.tensors.values())
+        if "sent_ns" in d.meta:
+            t.flight_ns += max(0, now - int(d.meta["sent_ns"]))
+            t.timed += 1
+        failed = {int(k): v for k, v in d.meta.get("failed", {}).items()}
+        claimed = []
+        with self.lock:
+            for row, rid in enumerate(d.meta["request_ids"]):
+                task = self.pending.pop(rid - 1, None)
+                if task is not None:  # None: a duplicate, or an item already taken back
+                    claimed.append((row, rid, task))
+        t.items += len(claimed)
+        release = _Release(self.receiver, d, len(claimed))
+        if not claimed:
+            self.receiver.release(d)
+        for row, rid, task in claimed:
+            if rid in failed:
+                on_row(task, None, tuple(failed[rid]), release)
+                continue
+            values = {
+                k: d.tensors[k][row] if k in d.tensors else d.tensors[f"{k}@{row}"]
+                for k in self.keys
+            }
+            on_row(task, values, None, release)
+
+    def remote_stats(self) -> dict[str, Any]:
+        """The agent's own measurement of the stage, or {} once it is gone."""
+        if not self.alive:
+            return {}
+        try:
+            return self.client.stats().get("stages", {}).get(self.stage.name, {})
+        except AgentError:
+            return {}
+
+
+@contextlib.contextmanager
+def open_front(
+    pipeline: Pipeline,
+    stage: StagePlan,
+    device: Device,
+    *,
+    transport: str = "tcp",
+    token_file: str | Path | None = None,
+    slots: int = 4,
+) -> Iterator[RemoteFront]:
+    """Reach the agent of `device` (start one on loopback when the device is emulated), load the
+    stage on it, and listen for what it forwards. Everything is closed on the way out."""
+    from dpu_agents import auth
+    from dpu_agents.local import LocalAgent
+    from nicoffload.client import AgentClient
+    from nicoffload.transport import listen
+
+    keys = leaving(pipeline, stage)
+    batch = pipeline.batch_max_size
+    specs = {k: pipeline.spec_of(_ref(pipeline, k)) for k in keys}
+    slot_bytes = sum(
+        -(-batch * s.typical_nbytes * (1 if s.static else 4) // ALIGN) * ALIGN + batch * ALIGN
+        for s in specs.values()
+    )
+    with contextlib.ExitStack() as stack:
+        if device.emulated:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
+            token_file = folder / "agent.token"
+            auth.write_token(token_file)
+            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores))
+            address = agent.address
+        else:
+            if token_file is None:
+                raise DeviceError(
+                    f"{device.id}: the agent at {device.address} needs its token: pass --token-file"
+                )
+            address = device.address or ""
+        try:
+            client = stack.enter_context(AgentClient(address, auth.read_token(token_file)))
+        except (AgentError, OSError) as exc:
+            raise DeviceError(f"{device.id}: no DPU agent answers at {address}: {exc}") from exc
+        where = (
+            f"shm://nicoffload-{secrets.token_hex(6)}"
+            if transport == "shm"
+            else f"tcp://{client.local_host}:0"
+        )
+        rx = stack.enter_context(listen(where, slots=slots, slot_bytes=slot_bytes))
+        client.load(
+            Path(pipeline.path).read_text(encoding="utf-8"),
+            _single_stage_plan(pipeline, stage),
+            stage.name,
+            rx.address,
+            batch_max_size=batch,
+            batch_max_wait_ms=pipeline.batch_max_wait_ms,
+        )
+        yield RemoteFront(stage, client, rx, keys)
+
+
+def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:
+    """Value keys a stage produces that later stages or the outputs read."""
+    inside = set(stage.nodes)
+    keys = {str(r) for n in pipeline.nodes if n.name not in inside for r in n.inputs}
+    keys |= {str(r) for r in pipeline.outputs.values()}
+    return sorted(k for k in keys if k.split(".", 1)[0] in inside)
+
+
+def _ref(pipeline: Pipeline, key: str) -> Ref:
+    name, _, port = key.partition(".")
+    return Ref(name, port or "out")
+
+
+def _single_stage_plan(pipeline: Pipeline, stage: StagePlan) -> Plan:
+    """The plan the agent loads: the whole pipeline's placement, with this stage on 'dpu0'."""
+    placement = {n.name: ("dpu0" if n.name in stage.nodes else "cpu") for n in pipeline.nodes}
+    stages, transfers = stages_for(pipeline, placement)
+    first = next(s for s in stages if set(s.nodes) == set(stage.nodes))
+    stages = tuple(replace(s, name=stage.name) if s is first else s for s in stages)
+    return Plan(pipeline.name, placement, stages, transfers, topology="agent")

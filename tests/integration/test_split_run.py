@@ -1,0 +1,120 @@
+"""Split execution: a DPU stage on a real agent process, the rest on the host, and failover.
+
+The agent here is a local `nicoffload-agent` process; the topology names it as a real (not
+emulated) DPU, so the run connects to it exactly as it would to a BlueField's agent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import nicoffload
+from dpu_agents import auth
+from dpu_agents.local import LocalAgent
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.plan import Plan, stages_for
+from nicoffload.samples import sample_images
+from nicoffload.topology import Device, Link, Topology
+
+PIPELINE = load_pipeline("pipelines/resnet50.yaml")
+SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
+
+
+def split_plan() -> Plan:
+    stages, transfers = stages_for(PIPELINE, SPLIT)
+    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="test")
+
+
+def topology_for(agent: LocalAgent) -> Topology:
+    dpu = Device("dpu0", "dpu", 1, 1.0, address=agent.address)
+    cpu = Device("cpu", "cpu", 1, 1.0)
+    link = Link("dpu0", "cpu", "tcp", 1e9, 0.0, 0.0)
+    return Topology("test", (cpu, dpu), (link,), ingress="dpu0", egress="cpu", source="test")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    small = [b for name, b in sample_images(400, seed=7)]
+    return (small * 5)[:2000]
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "agent.token"
+    auth.write_token(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def host_outputs(images):
+    result = nicoffload.run(PIPELINE, images, plan=Plan.from_json(_host_plan()))
+    assert result.ok.all()
+    return result.outputs["pixels"]
+
+
+def _host_plan() -> dict:
+    from nicoffload.planner.plan import single_device_plan
+
+    return single_device_plan(PIPELINE, "cpu").to_json()
+
+
+def test_a_split_run_equals_the_all_host_run_exactly(images, host_outputs, token_file):
+    with LocalAgent(token_file, cores=1) as agent:
+        result = nicoffload.run(
+            PIPELINE,
+            images[:300],
+            plan=split_plan(),
+            topology=topology_for(agent),
+            token_file=token_file,
+        )
+    assert result.ok.all()
+    assert result.stats.failover is None
+    np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[:300])
+    doc = result.stats.to_json()
+    assert doc["stages"]["s0-dpu0"]["device"] == "dpu0"
+    (transfer,) = doc["transfers"].values()
+    assert transfer["bytes_per_item"] == 224 * 224 * 3 and transfer["batches"] >= 300 // 64
+
+
+def test_killing_the_agent_mid_run_finishes_every_item_exactly_once_on_the_host(
+    images, host_outputs, token_file
+):
+    agent = LocalAgent(token_file, cores=1)
+    try:
+
+        def items():
+            for i, b in enumerate(images):
+                if i == 700:
+                    os.kill(agent.pid, signal.SIGKILL)
+                yield b
+
+        result = nicoffload.run(
+            PIPELINE,
+            items(),
+            plan=split_plan(),
+            topology=topology_for(agent),
+            token_file=token_file,
+        )
+    finally:
+        agent.kill()
+    assert result.stats.failover is not None
+    assert result.names == [str(i) for i in range(len(images))]  # each item once, in order
+    assert result.ok.all()
+    np.testing.assert_array_equal(result.outputs["pixels"], host_outputs)
+    assert result.stats.stages["s0-dpu0@host"]["ms_per_item"] > 0  # the host took items back
+
+    with LocalAgent(token_file, cores=1) as again:  # a restarted agent is used again
+        rerun = nicoffload.run(
+            PIPELINE,
+            images[:128],
+            plan=split_plan(),
+            topology=topology_for(again),
+            token_file=token_file,
+        )
+    assert rerun.stats.failover is None and rerun.ok.all()
+    assert rerun.stats.transfers["s0-dpu0->s1-cpu"]["batches"] >= 2
+    np.testing.assert_array_equal(rerun.outputs["pixels"], host_outputs[:128])
