@@ -93,18 +93,30 @@ def roundtrip_delivery(tx: Sender, rx: Receiver) -> Delivery:
     return delivery
 
 
-class Waiter:
-    """A recv running in another thread."""
+class InThread:
+    """A call running in another thread: its result, or its exception raised here."""
 
-    def __init__(self, rx: Receiver) -> None:
-        self._got: list[Delivery | None] = []
-        self._thread = threading.Thread(target=lambda: self._got.append(rx.recv(timeout=10)))
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._outcome: list[tuple[bool, object]] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,))
         self._thread.start()
 
-    def result(self, timeout: float) -> Delivery | None:
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            self._outcome.append((True, fn()))
+        except BaseException as exc:  # handed to result()
+            self._outcome.append((False, exc))
+
+    def finished(self, timeout: float) -> bool:
         self._thread.join(timeout)
-        assert self._got, "recv did not return"
-        return self._got[0]
+        return bool(self._outcome)
+
+    def result(self, timeout: float) -> object:
+        assert self.finished(timeout), "the call did not return"
+        ok, value = self._outcome[0]
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value
 
 
 # --- bytes ------------------------------------------------------------------------------------
@@ -207,7 +219,7 @@ def test_released_slots_reach_the_sender_when_the_receiver_waits(open_pair: Pair
     tx, rx = open_pair(slots=8)
     held = [roundtrip_delivery(tx, rx) for _ in range(8)]
     rx.release(held[0])  # credits may be held back a while, but not past a waiting recv:
-    waiter = Waiter(rx)
+    waiter = InThread(lambda: rx.recv(timeout=10))
     assert tx.send([np.ones(1)], timeout=5) == held[0].slot
     assert waiter.result(5) is not None
 
@@ -215,7 +227,7 @@ def test_released_slots_reach_the_sender_when_the_receiver_waits(open_pair: Pair
 def test_a_release_while_recv_waits_reaches_the_sender(open_pair: Pair) -> None:
     tx, rx = open_pair(slots=8)
     held = [roundtrip_delivery(tx, rx) for _ in range(8)]
-    waiter = Waiter(rx)
+    waiter = InThread(lambda: rx.recv(timeout=10))
     time.sleep(0.05)  # let it block
     rx.release(held[3])  # from another thread than the waiting recv
     assert tx.send([np.ones(1)], timeout=5) == held[3].slot
@@ -225,15 +237,12 @@ def test_a_release_while_recv_waits_reaches_the_sender(open_pair: Pair) -> None:
 def test_a_blocked_sender_resumes_after_release(open_pair: Pair) -> None:
     tx, rx = open_pair(slots=1)
     tx.send([np.zeros(1)])
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (tx.send([np.ones(1)], timeout=10), done.set()))
-    worker.start()
-    assert not done.wait(0.1)  # blocked: the only slot is held
+    blocked = InThread(lambda: tx.send([np.ones(1)], timeout=10))
+    assert not blocked.finished(0.1)  # the only slot is held
     first = rx.recv(timeout=5)
     assert first is not None
     rx.release(first)
-    worker.join(10)
-    assert done.is_set()
+    assert blocked.result(10) == first.slot
     second = rx.recv(timeout=5)
     assert second is not None and second.tensors["0"][0] == 1
 
@@ -299,36 +308,18 @@ def test_send_after_the_receiver_closed_raises(pair: tuple[Sender, Receiver]) ->
 def test_closing_the_receiver_wakes_a_blocked_sender(open_pair: Pair) -> None:
     tx, rx = open_pair(slots=1)
     tx.send([np.zeros(1)])
-    errors: list[BaseException] = []
-
-    def blocked_send() -> None:
-        try:
-            tx.send([np.zeros(1)], timeout=10)
-        except TransportError as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=blocked_send)
-    worker.start()
+    blocked = InThread(lambda: tx.send([np.zeros(1)], timeout=10))
     rx.close()
-    worker.join(10)
-    assert len(errors) == 1
+    with pytest.raises(TransportError):
+        blocked.result(10)
 
 
 def test_closing_the_receiver_wakes_a_blocked_recv(pair: tuple[Sender, Receiver]) -> None:
     _, rx = pair
-    errors: list[BaseException] = []
-
-    def blocked_recv() -> None:
-        try:
-            rx.recv(timeout=10)
-        except TransportError as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=blocked_recv)
-    worker.start()
+    blocked = InThread(lambda: rx.recv(timeout=10))
     rx.close()
-    worker.join(10)
-    assert len(errors) == 1
+    with pytest.raises(TransportError):
+        blocked.result(10)
 
 
 def test_use_after_close_raises(pair: tuple[Sender, Receiver]) -> None:
