@@ -297,6 +297,10 @@ class StreamReceiver(Receiver):
                 raise TransportError(f"receiver at {self.address} is closed")
             if not self._ready.wait(timeout):
                 raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
+            if self._closed:  # close() woke this wait: no sender came
+                raise TransportError(f"receiver at {self.address} is closed")
+            if self._ch is None:  # accepting failed
+                raise self._final  # type: ignore[misc]
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self.read_ahead:
                 if not self._inbox.empty():
@@ -397,6 +401,8 @@ class StreamReceiver(Receiver):
             ch.post(_SHUTDOWN, _DONTWAIT)
             ch.shutdown()  # wakes a recv or a handshake blocked on it
         self._helper.join()
+        # Wake a recv waiting on the queue (read_ahead) before taking its lock.
+        self._inbox.end(TransportError(f"receiver at {self.address} is closed"))
         with self._recv_lock:
             for resource in (ch, self._listener, self._wake_r, self._wake_w):
                 if resource is not None:

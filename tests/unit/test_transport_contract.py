@@ -322,6 +322,19 @@ def test_closing_the_receiver_wakes_a_blocked_recv(pair: tuple[Sender, Receiver]
         blocked.result(10)
 
 
+@pytest.mark.parametrize("timeout", [None, 10.0])
+def test_closing_the_receiver_wakes_a_recv_that_no_sender_ever_reached(
+    kind: str, timeout: float | None
+) -> None:
+    rx = listen(address(kind), slots=2, slot_bytes=64)
+    blocked = InThread(lambda: rx.recv(timeout=timeout))
+    assert not blocked.finished(0.05)
+    closing = InThread(rx.close)
+    assert closing.finished(5), "close() waits for the blocked recv"
+    with pytest.raises(TransportError, match="closed"):
+        blocked.result(5)
+
+
 def test_use_after_close_raises(pair: tuple[Sender, Receiver]) -> None:
     tx, rx = pair
     tx.close()
