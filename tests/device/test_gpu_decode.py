@@ -17,7 +17,6 @@ from PIL import Image
 from nicoffload import ops
 from nicoffload.errors import ItemError
 from nicoffload.graph import load_pipeline
-from nicoffload.ops.gpu_image import jpeg_header
 from nicoffload.samples import sample_images
 
 # uint8 levels, per image. Measured on the H200: 0.03-2.15 on photo-like JPEGs (500x375 and
@@ -52,6 +51,8 @@ def test_nvjpeg_matches_libjpeg_turbo_within_the_stated_tolerance(gpu, tmp_path)
         assert img.shape == want.shape
         diff = np.abs(img.astype(np.int16) - want).mean()
         assert diff <= MEAN_ABS_TOLERANCE, f"mean abs difference {diff:.2f}"
+    from nicoffload.ops.gpu_image import jpeg_header
+
     progressive_or_baseline = sum(jpeg_header(d)[2] == 3 for d in items)
     assert fn.stats.gpu == progressive_or_baseline
 
