@@ -4,9 +4,20 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-unit test-integration test-gpu bench lint format clean
+# System packages the integration tests use (the agent in its own network namespace).
+SYSDEPS := iproute2 nftables
+
+.PHONY: setup sysdeps run test test-unit test-integration test-gpu bench lint format clean
 
 setup: $(STAMP)
+
+sysdeps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  fi; \
+	else echo "note: not root (or no apt-get): install $(SYSDEPS) for the network-namespace test"; fi
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "nicoffload needs Python >= 3.11 (set PYTHON=...)")'
@@ -20,13 +31,13 @@ run: setup
 	$(BIN)/nicoffload validate pipelines/resnet50.yaml
 	$(BIN)/nicoffload run pipelines/resnet50.yaml --sample 200
 
-test: setup
+test: setup sysdeps
 	$(BIN)/python -m pytest -q tests/unit tests/integration tests/device
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
-test-integration: setup
+test-integration: setup sysdeps
 	$(BIN)/python -m pytest -q tests/integration
 
 # GPU kernels and staging: runs where CUDA works, skips with the reason elsewhere.

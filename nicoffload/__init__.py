@@ -13,9 +13,20 @@ from nicoffload.graph import Node, Pipeline, TensorSpec, load_pipeline
 from nicoffload.planner.plan import Plan
 from nicoffload.runner import RunResult, RunStats, run
 
+
+def __getattr__(name: str):
+    # Client pulls in the agent protocol; loaded on first use to keep `import nicoffload` light.
+    if name == "Client":
+        from nicoffload.client import Client
+
+        return Client
+    raise AttributeError(f"module 'nicoffload' has no attribute '{name}'")
+
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "Client",
     "ItemError",
     "NicoffloadError",
     "Node",

@@ -161,7 +161,7 @@ def open_front(
     stage on it, and listen for what it forwards. Everything is closed on the way out."""
     from dpu_agents import auth
     from dpu_agents.local import LocalAgent
-    from nicoffload.client import AgentClient
+    from nicoffload.agent_client import AgentClient
     from nicoffload.transport import listen
 
     keys = leaving(pipeline, stage)

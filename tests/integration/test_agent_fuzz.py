@@ -38,7 +38,7 @@ from dpu_agents.protocol import (
     request_frame,
 )
 from dpu_agents.stagebuild import pipeline_from_text
-from nicoffload.client import AgentClient
+from nicoffload.agent_client import AgentClient
 from nicoffload.errors import FrameError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

@@ -18,7 +18,8 @@ import simplejpeg
 import nicoffload
 from dpu_agents import auth
 from dpu_agents.local import LocalAgent
-from nicoffload.client import AgentClient, Client
+from nicoffload.agent_client import AgentClient
+from nicoffload.client import Client
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

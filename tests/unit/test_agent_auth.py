@@ -14,7 +14,7 @@ from dpu_agents import auth
 from dpu_agents.config import AgentConfig
 from dpu_agents.protocol import ChallengeMeta, LoadMeta, WelcomeMeta, frame
 from dpu_agents.server import Agent
-from nicoffload.client import AgentClient
+from nicoffload.agent_client import AgentClient
 from nicoffload.errors import AgentError, UserError
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import ErrorMeta, Kind, decode_meta

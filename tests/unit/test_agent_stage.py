@@ -19,7 +19,7 @@ from dpu_agents import auth
 from dpu_agents.config import AgentConfig
 from dpu_agents.protocol import AuthMeta, ChallengeMeta, WelcomeMeta, frame
 from dpu_agents.server import Agent
-from nicoffload.client import AgentClient
+from nicoffload.agent_client import AgentClient
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan, stages_for

@@ -19,6 +19,7 @@ PIPELINES = sorted(Path(__file__).resolve().parents[2].joinpath("pipelines").glo
 def test_public_api_is_exactly_the_curated_names():
     assert sorted(nicoffload.__all__) == sorted(
         [
+            "Client",
             "ItemError",
             "NicoffloadError",
             "Node",
