@@ -28,11 +28,25 @@ def summary_table(stats: RunStats) -> Table:
     )
     t.add_row("host CPU", f"{doc['host_cpu_ms_per_item']:.3f} ms/item")
     for name, st in doc["stages"].items():
-        pred = st.get("predicted_ms_per_item")
-        extra = f"   (predicted {pred:.3f}, {st['error_pct']:+.0f}%)" if pred is not None else ""
+        pred, err = st.get("predicted_ms_per_item"), st.get("error_pct")
+        extra = (
+            f"   (predicted {pred:.3f}" + (f", {err:+.0f}%)" if err is not None else ")")
+            if pred is not None
+            else ""
+        )
         t.add_row(f"stage {name}", f"{st['ms_per_item']:.3f} ms/item on {st['device']}{extra}")
-        for step, ms in st["steps"].items():
+        for step, ms in st.get("steps", {}).items():
             t.add_row(f"  {step}", f"{ms:.3f} ms/item")
+    for name, tr in doc["transfers"].items():
+        flight = (
+            f", {tr['ms_per_batch']:.2f} ms/batch" if tr.get("ms_per_batch") is not None else ""
+        )
+        t.add_row(
+            f"transfer {name}",
+            f"{tr['tensor']} over {tr['transport']}: {tr['bytes_per_item'] / 1e3:.0f} KB/item, {tr['batches']} batches{flight}",
+        )
+    if doc.get("failover"):
+        t.add_row("failover", f"the DPU agent's items ran on the host: {doc['failover']}")
     return t
 
 
