@@ -26,9 +26,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The default pipeline end to end on generated sample images; prints the summary.
+PROFILES ?= $(or $(NICOFFLOAD_PROFILES),$(HOME)/.cache/nicoffload/profiles)
+
+# The default pipeline end to end on this machine: the host CPU plus a local DPU agent on
+# loopback (an emulated DPU), on generated sample images. The first time, this machine's
+# cost profile is measured (about 20 s) so that the plan's predictions are this machine's.
 run: setup
 	$(BIN)/nicoffload validate pipelines/resnet50.yaml
+	test -f $(PROFILES)/cpu.json || $(BIN)/nicoffload profile --quick
+	$(BIN)/nicoffload plan pipelines/resnet50.yaml
 	$(BIN)/nicoffload run pipelines/resnet50.yaml --sample 200
 
 test: setup sysdeps

@@ -215,6 +215,9 @@ def stream(
     workers: int | None = None,
 ) -> Iterator[Batch]:
     """Run and yield batches; `stats` is filled as the run goes and complete at the end."""
+    if workers is None and prep.topology is not None and "cpu" in prep.topology.ids:
+        # the host's share of the cores: an emulated DPU's agent is pinned to the others
+        workers = prep.topology.device("cpu").cores
     with (
         open_front(prep) as front,
         Executor(prep.pipeline, prep.plan, workers=workers, front=front) as ex,
