@@ -18,7 +18,8 @@ from nicoffload.errors import Mark, TopologyError
 from nicoffload.yamlmarks import MMap, MSeq, did_you_mean, read_marked
 
 KINDS = ("cpu", "dpu", "gpu")
-TOP_KEYS = ("name", "description", "devices", "links", "ingress", "egress")
+# `p4`: the NIC ports each device is reached on, read by nicoffload.p4.ports (not the planner).
+TOP_KEYS = ("name", "description", "devices", "links", "ingress", "egress", "p4")
 DEVICE_KEYS = ("kind", "cores", "capacity", "memory", "address", "profile", "emulated")
 LINK_KEYS = ("between", "transport", "bandwidth", "latency", "cpu_ns_per_byte")
 # Host CPU time per byte at each CPU endpoint (cpu or dpu) of a hop: TCP copies on both sides;
