@@ -1,0 +1,454 @@
+"""RDMA transport (`rdma://host:port[?device=rxe0]`) on verbs RC queue pairs: the receiver's ring
+is one memory region; the sender RDMA WRITEs a batch into a slot, then WRITE_WITH_IMM puts the
+DATA frame head in the slot's head area with the slot as the immediate; credits come back as
+SEND_WITH_IMM. HELLO/WELCOME/ACK (QPN, PSN, GID, ring address, rkey) and ERROR go over TCP.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+
+from nicoffload.errors import FrameError, TransportError
+from nicoffload.transport import verbs
+from nicoffload.transport.base import MAX_SLOTS, Receiver, Sender
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import (
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    OUT_OF_BAND,
+    Header,
+    Hello,
+    Kind,
+    Welcome,
+    decode_meta,
+    encode,
+    error_frame,
+    error_from_frame,
+    head_size,
+)
+from nicoffload.transport.slots import Delivery, Ledger, Packer, Tensors, Unpacker, slot_view
+from nicoffload.transport.slots import stride as slot_stride
+from nicoffload.transport.stream import HANDSHAKE_TIMEOUT, _expect
+
+HEAD_BYTES = 4096  # per slot: the DATA frame head (64-byte header + metadata) lands here
+GRACE_S = 0.2  # after the control socket's EOF, completions already on their way still count
+log = logging.getLogger(__name__)
+_SHUTDOWN = encode(Header(Kind.SHUTDOWN))
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+
+
+def parse(address: str) -> tuple[str, int, str | None]:
+    """(host, port, device) of `rdma://HOST:PORT[?device=NAME]`; TransportError otherwise."""
+    try:
+        parts = urlsplit(address)
+        host, port = parts.hostname, parts.port
+        query = parse_qs(parts.query, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise TransportError(f"bad rdma address {address!r}: {exc}") from None
+    if (
+        parts.scheme != "rdma"
+        or not host
+        or port is None
+        or parts.path not in ("", "/")
+        or set(query) - {"device"}
+    ):
+        raise TransportError(
+            f"bad rdma address {address!r}: expected rdma://HOST:PORT[?device=NAME]"
+        )
+    return host, port, query.get("device", [None])[0]
+
+
+def _ring(slots: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One buffer (what gets registered), its ring of slots, and its head areas after the ring."""
+    size = slots * slot_stride(slot_bytes)
+    buf = np.zeros(size + slots * HEAD_BYTES, np.uint8)
+    return buf, buf[:size], buf[size:]
+
+
+class RdmaSender(Sender):
+    """Copies a batch into its own registered staging slot, then WRITEs it to the same slot of
+    the receiver's ring: the receiver's memory is never touched by its CPU on the way in."""
+
+    def __init__(
+        self, address: str, sock: socket.socket, device: str, *, timeout: float, pipeline_id: int,
+        stage_id: int,
+    ) -> None:  # fmt: skip
+        self.address = address
+        self._ch = Channel(sock, f"receiver at {address}")
+        self._lock = threading.Lock()
+        self._broken: TransportError | None = None
+        self._closed = False
+        self._ep: verbs.Endpoint | None = None
+        try:
+            self._ch.send(encode(Header(Kind.HELLO), Hello("rdma")))
+            welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
+            if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
+                raise FrameError(
+                    f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
+                )
+            self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
+            peer, remote, rkey = _remote(welcome.segment)
+            self._ep = verbs.Endpoint(
+                device, send_depth=2 * self.slots + 4, recv_depth=self.slots + 4
+            )
+            self._ep.connect(peer)
+            self._buf, self._stage, self._heads = _ring(self.slots, self.slot_bytes)
+            self._mr = self._ep.register(self._buf, remote=False)
+            self._ring_addr, self._heads_addr = remote, remote + self._stage.nbytes
+            self._rkey = rkey
+            self._ch.send(encode(Header(Kind.ACK), self._ep.me.encode()))
+            _expect(self._ch, Kind.ACK, timeout)  # the receiver's QP is ready to receive
+        except BaseException as exc:
+            self._ch.close()
+            self._teardown()
+            if isinstance(exc, OSError):
+                raise TransportError(f"cannot connect to {address}: {exc}") from exc
+            raise
+        self._pack = Packer(self.slot_bytes, OUT_OF_BAND, pipeline_id, stage_id)
+        self._free = list(range(self.slots))[::-1]
+        self._out: set[int] = set()
+
+    def send(
+        self,
+        tensors: Tensors,
+        *,
+        request_id: int = 0,
+        batch_size: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        arrays, layout = self._pack(tensors, batch_size, meta)
+        head_len = len(layout.head)
+        if head_len > HEAD_BYTES:
+            raise TransportError(
+                f"a batch head of {head_len} bytes (header and metadata) does not fit the "
+                f"{HEAD_BYTES}-byte head area of an rdma slot: send less metadata"
+            )
+        with self._lock:
+            self._check()
+            if (self._ch.readable(0) or not self._free) and not self._wait(
+                lambda: bool(self._free), timeout
+            ):
+                raise TransportError(f"{self._ch.peer}: no free slot within {timeout} s")
+            slot = self._free.pop()
+            self._out.add(slot)
+            try:
+                layout.copy_into(slot_view(self._stage, slot, self.slot_bytes), arrays)
+                at = slot * HEAD_BYTES
+                self._heads[at : at + head_len] = np.frombuffer(
+                    layout.announce(slot, request_id), np.uint8
+                )
+                ep, start = self._ep, slot * slot_stride(self.slot_bytes)
+                assert ep is not None
+                if layout.nbytes:
+                    ep.write(self._mr, start, layout.nbytes, self._rkey, self._ring_addr + start)
+                head_at = self._stage.nbytes + at
+                ep.write_imm(self._mr, head_at, head_len, self._rkey, self._heads_addr + at, slot)
+            except TransportError as exc:
+                self._fail(exc)
+                raise
+            return slot
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._check()
+            if not self._wait(lambda: not self._out, timeout):
+                raise TransportError(f"{self._ch.peer}: {len(self._out)} batches still held")
+
+    def _wait(self, done: Any, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._take_credits(0.0)
+            while not done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._take_credits(left)
+        except TransportError as exc:
+            self._fail(exc)
+            raise
+        return True
+
+    def _take_credits(self, timeout: float | None) -> None:
+        assert self._ep is not None
+        for imm in self._ep.wait_recv(timeout, also=self._ch.sock.fileno()):
+            if imm == verbs.IMM_GOODBYE:
+                raise TransportError(f"{self._ch.peer} closed")
+            if imm not in self._out:
+                raise FrameError(f"malformed frame: slot: credit for slot {imm}, not out")
+            self._out.remove(imm)
+            self._free.append(imm)
+        if self._ch.readable(0):
+            got = self._ch.read_head(0)
+            if got is None:
+                raise TransportError(f"{self._ch.peer} closed the connection")
+            if got[0].kind is Kind.ERROR:
+                raise error_from_frame(got[1], self._ch.peer)
+            if got[0].kind is Kind.SHUTDOWN:
+                raise TransportError(f"{self._ch.peer} closed")
+            raise FrameError(f"malformed frame: kind: unexpected {got[0].kind.name}")
+
+    def _fail(self, exc: TransportError) -> None:
+        self._broken = exc
+        self._ch.close()
+        self._teardown()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TransportError(f"sender to {self.address} is closed")
+        if self._broken is not None:
+            raise TransportError(f"sender to {self.address} failed earlier: {self._broken}")
+
+    def _teardown(self) -> None:
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            ep.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        ep = self._ep
+        if self._broken is None and ep is not None:
+            # The goodbye follows the last WRITE on the same QP (so the receiver sees every batch
+            # first); wait for its ack before the control socket goes, so EOF never overtakes it.
+            try:
+                ep.send_imm(verbs.IMM_GOODBYE)
+                ep.drain_sends(1.0)
+            except TransportError as exc:
+                log.debug("%s: goodbye not delivered: %s", self.address, exc)
+            self._ch.post(_SHUTDOWN, _DONTWAIT)
+        self._ch.shutdown()  # wakes a send() blocked on credits in another thread
+        with self._lock:
+            self._ch.close()
+            self._teardown()
+
+
+def _remote(segment: str) -> tuple[verbs.Peer, int, int]:
+    try:
+        peer, addr, rkey = segment.split("|")
+        return verbs.Peer.decode(peer), int(addr), int(rkey)
+    except ValueError:
+        raise FrameError(f"malformed frame: meta: rdma endpoint {segment!r}") from None
+
+
+class RdmaReceiver(Receiver):
+    """Owns the registered ring; a helper thread accepts one sender and connects the QPs, then
+    recv waits on the completion channel and the control socket in the caller's thread."""
+
+    def __init__(
+        self, address: str, listener: socket.socket, device: str, slots: int, slot_bytes: int
+    ) -> None:
+        self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
+        self._listener = listener
+        self._ep = verbs.Endpoint(device, send_depth=slots + 4, recv_depth=slots + 4)
+        try:
+            self._buf, ring, self._heads = _ring(slots, slot_bytes)
+            self._mr = self._ep.register(self._buf, remote=True)
+        except BaseException:
+            self._ep.close()
+            raise
+        self._unpack = Unpacker(ring, slot_bytes)
+        self._ledger = Ledger(f"receiver at {address}")
+        self._queue: collections.deque[Delivery] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._ch: Channel | None = None
+        self._lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._final: object = None  # "eof" or the error, for good
+        self._closed = False
+        self._helper = threading.Thread(target=self._serve, name=f"recv {address}", daemon=True)
+        self._helper.start()
+
+    def _serve(self) -> None:
+        import select
+
+        poll = select.poll()
+        poll.register(self._listener, select.POLLIN)
+        poll.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._closed:
+                poll.poll()
+                if not self._closed and self._handshake():
+                    self._listener.close()
+                    break
+        except OSError as exc:
+            self._final = TransportError(f"receiver at {self.address}: accept failed: {exc}")
+        finally:
+            self._ready.set()
+
+    def _handshake(self) -> bool:
+        sock, _ = self._listener.accept()
+        ch = Channel(sock, f"sender to {self.address}")
+        with self._lock:
+            self._ch = ch
+        try:
+            hello = decode_meta(_expect(ch, Kind.HELLO, HANDSHAKE_TIMEOUT), Hello)
+            if hello.transport != "rdma":
+                raise FrameError(f"a {hello.transport} sender, this is a rdma ring")
+            segment = f"{self._ep.me.encode()}|{self._mr.buf}|{self._mr.rkey}"
+            ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, segment)))
+            peer = verbs.Peer.decode(decode_meta(_expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT), str))
+            self._ep.connect(peer)
+            ch.send(encode(Header(Kind.ACK)))
+            return True
+        except TransportError as exc:
+            with self._lock:
+                self._ch = None
+            if not self._closed:
+                log.warning("receiver at %s: refused a connection: %s", self.address, exc)
+                ch.post(error_frame(exc), _DONTWAIT)
+            ch.close()
+            return False
+
+    def recv(self, timeout: float | None = None) -> Delivery | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._recv_lock:
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed")
+            if not self._ready.wait(timeout):
+                raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed")
+            if self._ch is None:
+                raise self._final  # type: ignore[misc]
+            while not self._queue:
+                if self._final == "eof":
+                    return None
+                if self._final is not None:
+                    raise self._final  # type: ignore[misc]
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    got = self._step(self._ch, left)
+                except TransportError as exc:
+                    if self._closed:
+                        raise TransportError(f"receiver at {self.address} is closed") from exc
+                    if isinstance(exc, FrameError):
+                        self._ch.post(error_frame(exc), _DONTWAIT)
+                    self._ch.shutdown()
+                    self._final = exc
+                    raise
+                waited_out = deadline is not None and time.monotonic() >= deadline
+                if not got and not self._queue and self._final is None and waited_out:
+                    raise TransportError(f"receiver at {self.address}: no batch within {timeout} s")
+            return self._ledger.hand_out(self._queue.popleft())
+
+    def _step(self, ch: Channel, timeout: float | None) -> bool:
+        """Take what the completion queue and the control socket hold; True if anything came."""
+        imms = self._ep.wait_recv(timeout, also=ch.sock.fileno())
+        self._take(imms)
+        if self._final is None and ch.readable(0):
+            got = ch.read_head(0)
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed")
+            if got is None or got[0].kind is Kind.SHUTDOWN:
+                # The goodbye (a completion) may still be on its way: wait for it a moment.
+                end = time.monotonic() + GRACE_S
+                while self._final is None and time.monotonic() < end:
+                    self._take(self._ep.wait_recv(0.01))
+                if self._final is None:
+                    raise TransportError(f"{ch.peer}: disconnected without SHUTDOWN")
+            elif got[0].kind is Kind.ERROR:
+                raise error_from_frame(got[1], ch.peer)
+            elif got[0].kind is not Kind.HEARTBEAT:
+                raise FrameError(f"malformed frame: kind: unexpected {got[0].kind.name}")
+            return True
+        return bool(imms)
+
+    def _take(self, imms: list[int]) -> None:
+        for imm in imms:
+            if self._final is not None:
+                raise FrameError(f"malformed frame: a batch after the goodbye (immediate {imm})")
+            if imm == verbs.IMM_GOODBYE:
+                self._final = "eof"
+                continue
+            if imm >= self.slots:
+                raise FrameError(f"malformed frame: slot: immediate {imm}, ring of {self.slots}")
+            head = self._heads[imm * HEAD_BYTES : (imm + 1) * HEAD_BYTES]
+            size = head_size(head[:HEADER_SIZE].tobytes())
+            if size > HEAD_BYTES:
+                raise FrameError(f"malformed frame: meta_len: a head of {size} bytes")
+            raw = head[:size].tobytes()
+            header = Header.unpack(raw, max_payload=self.slot_bytes)
+            if header.kind is not Kind.DATA or not header.flags & OUT_OF_BAND:
+                raise FrameError("malformed frame: kind: rdma heads are OUT_OF_BAND DATA")
+            if header.slot != imm:
+                raise FrameError(f"malformed frame: slot: head says {header.slot}, immediate {imm}")
+            delivery = self._unpack(header, raw[HEADER_SIZE:])
+            self._ledger.claim(header)
+            self._queue.append(delivery)
+
+    def release(self, delivery: Delivery) -> None:
+        if not self._ledger.take_back(delivery) or self._ch is None or self._final is not None:
+            return
+        try:
+            self._ep.send_imm(delivery.slot)
+        except TransportError as exc:  # the sender is gone: recv says how
+            log.debug("%s: credit not sent: %s", self.address, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ch = self._ch
+        self._wake_w.send(b"x")
+        if ch is not None:
+            ch.post(_SHUTDOWN, _DONTWAIT)
+            ch.shutdown()  # wakes a recv or a handshake blocked on it
+        self._helper.join()
+        with self._recv_lock:
+            for resource in (ch, self._listener, self._wake_r, self._wake_w):
+                if resource is not None:
+                    resource.close()
+            self._ledger.close()
+            self._queue.clear()
+            self._ep.close()
+
+
+def connect(
+    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+) -> RdmaSender:
+    host, port, wanted = parse(address)
+    device = verbs.pick_device(wanted)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise TransportError(f"cannot connect to {address}: {exc}") from exc
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return RdmaSender(
+            address, sock, device, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id
+        )
+    except BaseException:
+        sock.close()
+        raise
+
+
+def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
+    host, port, wanted = parse(address)
+    device = verbs.pick_device(wanted)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listener = socket.create_server((host, port), family=family, backlog=1)
+    except OSError as exc:
+        raise TransportError(f"cannot listen on {address}: {exc}") from exc
+    try:
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        query = f"?device={wanted}" if wanted else ""
+        real = f"rdma://{shown}:{listener.getsockname()[1]}{query}"
+        return RdmaReceiver(real, listener, device, slots, slot_bytes)
+    except BaseException:
+        listener.close()
+        raise
