@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dpu_agents.server import Agent
 
 log = logging.getLogger("dpu_agents.connection")
-FORWARD_SCHEMES = ("tcp://", "shm://")
+FORWARD_SCHEMES = ("tcp://", "shm://", "rdma://")
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
@@ -261,7 +261,9 @@ class Connection:
         if self.session is not None:
             raise AgentError("a stage is already loaded on this connection; open another")
         if not load.forward_to.startswith(FORWARD_SCHEMES):
-            raise AgentError(f"forward_to {load.forward_to!r}: expected tcp://... or shm://...")
+            raise AgentError(
+                f"forward_to {load.forward_to!r}: expected tcp://..., shm://... or rdma://..."
+            )
         if not 0 <= load.yaml_bytes <= len(payload):
             raise AgentError(f"yaml_bytes {load.yaml_bytes} > the payload of {len(payload)}")
         try:
