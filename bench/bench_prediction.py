@@ -1,0 +1,123 @@
+"""Is the planner right about this machine? Predicted vs measured ms/item for each stage.
+
+Plans `pipelines/resnet50.yaml` for this machine's local topology (host CPU + an emulated DPU:
+a local agent pinned to a core share), and for the host alone, after `nicoffload profile`; runs
+each plan on ImageNet-size JPEGs (the pipeline's `typical` size, which is what the planner
+prices) and compares each stage's predicted ms/item with the measured one.
+
+    python bench/bench_prediction.py [--items 400] [--json] [--record bench/RESULTS_prediction.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+import nicoffload
+from nicoffload.planner import plan_for
+from nicoffload.profiles import measured_path
+from nicoffload.runner import RunStats, prepare, stream
+from nicoffload.samples import sample_image
+from nicoffload.topology import local_topology
+
+PIPELINE = "pipelines/resnet50.yaml"
+TARGET_PCT = 25.0
+
+
+def typical_jpegs(n: int, h: int, w: int) -> list[bytes]:
+    """Sample photos cropped to the pipeline's typical aspect and size (seeds unlike the profile's)."""
+    out = []
+    for i in range(n):
+        _, data = sample_image(1000 + i, seed=11)
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        scale = max(h / img.height, w / img.width)
+        img = img.resize(
+            (round(img.width * scale + 0.5), round(img.height * scale + 0.5)), Image.BILINEAR
+        )
+        top, left = (img.height - h) // 2, (img.width - w) // 2
+        arr = np.ascontiguousarray(np.asarray(img)[top : top + h, left : left + w])
+        out.append(simplejpeg.encode_jpeg(arr, quality=90, colorsubsampling="420"))
+    return out
+
+
+def measure(pipeline, topology, images: list[bytes]) -> tuple[dict, RunStats]:
+    plan = plan_for(pipeline, topology)
+    prep = prepare(pipeline, plan, topology)
+    stats = RunStats()
+    items = [(str(i), {"image": b}) for i, b in enumerate(images)]
+    for _ in stream(prep, items, stats):
+        pass
+    return plan.to_json(), stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--items", type=int, default=400)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--record", type=Path, default=None)
+    args = ap.parse_args()
+    if not measured_path("cpu").exists():
+        subprocess.run([sys.executable, "-m", "nicoffload", "profile"], check=True)
+    pipeline = nicoffload.load_pipeline(PIPELINE)
+    spec = pipeline.inputs["image"]
+    images = typical_jpegs(args.items, spec.hint("height"), spec.hint("width"))
+    rows, runs = [], {}
+    for label, topo in (
+        ("local (host + emulated DPU)", local_topology(gpu=False)),
+        ("host only", local_topology(emulate_dpu=False, gpu=False)),
+    ):
+        nicoffload.run(
+            pipeline, images[:32], plan=plan_for(pipeline, topo), topology=topo
+        )  # warm-up
+        plan, stats = measure(pipeline, topo, images)
+        doc = stats.to_json()
+        runs[label] = {"plan_placement": plan["placement"], "run": doc}
+        for name, st in doc["stages"].items():
+            rows.append(
+                (
+                    label,
+                    name,
+                    st["device"],
+                    "+".join(st["nodes"]),
+                    st["predicted_ms_per_item"],
+                    st["ms_per_item"],
+                    st["error_pct"],
+                )
+            )
+    if args.json:
+        print(json.dumps({"rows": rows, "runs": runs}, indent=2))
+        return
+    lines = [
+        "| topology | stage | device | nodes | predicted ms/item | measured ms/item | error | within 25% |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for label, name, dev, nodes, pred, meas, err in rows:
+        ok = "yes" if err is not None and abs(err) <= TARGET_PCT else "**no**"
+        lines.append(
+            f"| {label} | {name} | {dev} | {nodes} | {pred:.3f} | {meas:.3f} | {err:+.1f}% | {ok} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.record:
+        head = (
+            f"## Planner prediction vs measurement (`bench/bench_prediction.py`)\n\n"
+            f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC\n"
+            f"- machine: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, Python {platform.python_version()}\n"
+            f"- command: `python bench/bench_prediction.py --items {args.items} --record {args.record}`\n"
+            f"- items: {args.items} JPEGs of the pipeline's typical size; profile: {measured_path('cpu')}\n\n"
+        )
+        args.record.write_text(head + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
