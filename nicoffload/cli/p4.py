@@ -32,18 +32,23 @@ def entries(
     election_id: int = typer.Option(1, "--election-id", help="the controller's election id"),
 ) -> None:
     """Write the steering entries of a plan as a P4Runtime WriteRequest, checked against the P4Info."""
-    from nicoffload.errors import PlanError
+    from nicoffload.errors import PlanError, TopologyError
     from nicoffload.p4.entries import check_devices, render, steering, write_request
     from nicoffload.p4.ids import pipeline_id
     from nicoffload.p4.p4info import P4Info
     from nicoffload.p4.ports import load_ports
     from nicoffload.planner.plan import Plan
-    from nicoffload.topology import load_topology, local_topology
+    from nicoffload.topology import load_topology
 
     if fmt not in ("text", "json"):
         raise PlanError(f"--format must be text or json, got '{fmt}'")
+    if topology is None:  # the autodetected local machine has no NIC ports to steer to
+        raise TopologyError(
+            "pass --topology T.yaml: the topology the plan was made on, with a 'p4' section "
+            "giving each device its NIC port (see p4/README.md)"
+        )
     the_plan = Plan.load(plan)
-    topo = load_topology(topology) if topology is not None else local_topology()
+    topo = load_topology(topology)
     check_devices(the_plan, topo.ids, f"topology '{topo.name}'")
     ports = load_ports(topo)
     steer = steering(the_plan, ports)

@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nicoffload.errors import Mark, TopologyError
-from nicoffload.topology import Topology
+from nicoffload.topology import (
+    Topology,
+    _keys,  # the same unknown-key message as the rest of the file
+)
 from nicoffload.yamlmarks import MMap, did_you_mean, read_marked
 
 PORT_BITS = 9  # v1model's port width (p4/nicoffload.p4 port_t); a test holds it to the P4Info
@@ -58,14 +61,6 @@ def _int(value: object, what: str, bits: int, mark: Mark) -> int:
             mark,
         )
     return value
-
-
-def _keys(m: MMap, allowed: tuple[str, ...], where: str) -> None:
-    for key in m:
-        if key not in allowed:
-            raise TopologyError(
-                f"{where}: unknown key '{key}'{did_you_mean(str(key), allowed)}", m.key_marks[key]
-            )
 
 
 def load_ports(topology: Topology) -> PortMap:

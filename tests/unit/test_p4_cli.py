@@ -72,11 +72,13 @@ def test_entries_for_a_stage_without_a_port_exits_2_with_the_place(plan_file, tm
     assert "Traceback" not in result.output
 
 
-def test_entries_with_a_bad_format_or_plan_exits_2(plan_file, tmp_path) -> None:
+def test_entries_with_a_bad_format_plan_or_no_topology_exits_2(plan_file, tmp_path) -> None:
     assert _run("p4", "entries", plan_file, "--topology", BF3, "--format", "yaml").exit_code == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert _run("p4", "entries", str(bad), "--topology", BF3).exit_code == 2
+    result = _run("p4", "entries", plan_file)
+    assert result.exit_code == 2 and "pass --topology" in result.stderr
 
 
 def test_pcap_lists_each_frame_and_its_verdict(tmp_path: Path) -> None:
