@@ -86,7 +86,7 @@ def pcap(
     port: int = typer.Option(UDP_PORT, "--port", help="the UDP port nicoffload frames use"),
     json_out: bool = typer.Option(False, "--json", help="print the frames as one JSON document"),
 ) -> None:
-    """Decode the nicoffload frames of a capture (UDP-carried; TCP streams are not reassembled)."""
+    """Decode the nicoffload frames of a capture: UDP datagrams, and TCP streams reassembled."""
     from nicoffload.errors import Mark, UserError
 
     try:
@@ -108,12 +108,12 @@ def pcap(
     for f in frames:
         h = f.fields
         if not h:
-            typer.echo(f"#{f.index} {f.src} -> {f.dst}: {f.error}")
+            typer.echo(f"#{f.index} {f.transport} {f.src} -> {f.dst}: {f.error}")
             continue
         kind, dtype = _name(Kind, h["kind"]), _name(DType, h["dtype"])
         shape = [h[f"shape{i}"] for i in range(min(h["ndim"], 4))]
         typer.echo(
-            f"#{f.index} {f.src} -> {f.dst} {kind} pipeline={h['pipeline_id']} "
+            f"#{f.index} {f.transport} {f.src} -> {f.dst} {kind} pipeline={h['pipeline_id']} "
             f"stage={h['stage_id']} slot={h['slot']} request={h['request_id']} "
             f"batch={h['batch_size']} {dtype}{shape} payload={h['payload_len']} "
             + ("ok" if f.error is None else f"MALFORMED: {f.error}")

@@ -19,7 +19,9 @@ from nicoffload.transport.frame import (
     CHECKED_SIZE,
     HEADER_FIELDS,
     HEADER_SIZE,
+    MAGIC,
     MAGIC_U32,
+    OUT_OF_BAND,
     VERSION,
     DType,
     Header,
@@ -87,45 +89,119 @@ bind_layers(UDP, Nicoffload, sport=UDP_PORT)
 
 @dataclass(frozen=True)
 class CapturedFrame:
-    """One nicoffload header found in a capture, with frame.py's verdict on it."""
+    """One nicoffload frame found in a capture, with frame.py's verdict on it."""
 
-    index: int  # the packet's position in the capture, from 0
+    index: int  # the position in the capture of the packet holding its first byte, from 0
     time: float
+    transport: str  # udp | tcp
     src: str  # "ip:port"
     dst: str
-    fields: dict[str, int]  # every HEADER_FIELDS field as on the wire
-    datagram_len: int  # bytes after the UDP header: header, meta, any payload
+    fields: dict[str, int]  # every HEADER_FIELDS field as on the wire; {} if none could be read
+    length: int  # udp: the bytes after the UDP header; tcp: the frame's bytes in the stream
     error: str | None  # None when Header.unpack accepts it
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def read_capture(path: str | Path, port: int = UDP_PORT) -> Iterator[CapturedFrame]:
-    """The nicoffload frames of a pcap or pcapng file: UDP datagrams to or from `port`.
+def _fields(raw: bytes | memoryview) -> dict[str, int]:
+    head = Nicoffload(bytes(raw[:HEADER_SIZE]))
+    return {name: int(head.getfieldval(name)) for name, _ in HEADER_FIELDS}
+
+
+def _verdict(raw: bytes | memoryview) -> str | None:
+    try:
+        Header.unpack(raw)
+    except FrameError as exc:
+        return str(exc)
+    return None
+
+
+def read_capture(path: str | Path, port: int = UDP_PORT) -> list[CapturedFrame]:
+    """The nicoffload frames of a pcap or pcapng file, in capture order: UDP datagrams to or
+    from `port` (the NIC path), and TCP streams that begin with a frame (what the tcp:// transport
+    and the DPU agent send today), reassembled from their segments.
 
     Raises OSError for an unreadable file and scapy's Scapy_Exception for one that is no capture.
     """
-    from scapy.layers.inet import IP
+    from scapy.layers.inet import IP, TCP
+    from scapy.layers.inet6 import IPv6
+    from scapy.packet import Padding
     from scapy.utils import PcapReader
 
+    found: list[CapturedFrame] = []
+    flows: dict[tuple[str, str], list[tuple[int, bytes, int, float]]] = {}
     with PcapReader(str(path)) as reader:
         for index, pkt in enumerate(reader):
-            if UDP not in pkt or port not in (pkt[UDP].dport, pkt[UDP].sport):
-                continue
-            raw = bytes(pkt[UDP].payload)
-            if len(raw) < HEADER_SIZE:
-                error = f"{len(raw)} bytes after UDP, fewer than the {HEADER_SIZE}-byte header"
-                fields = {}
-            else:
-                head = Nicoffload(raw[:HEADER_SIZE])
-                fields = {name: int(head.getfieldval(name)) for name, _ in HEADER_FIELDS}
-                try:
-                    Header.unpack(raw)
-                    error = None
-                except FrameError as exc:
-                    error = str(exc)
-            ip = pkt.getlayer(IP)
-            src = f"{ip.src if ip else '?'}:{pkt[UDP].sport}"
-            dst = f"{ip.dst if ip else '?'}:{pkt[UDP].dport}"
-            yield CapturedFrame(index, float(pkt.time), src, dst, fields, len(raw), error)
+            ip = pkt.getlayer(IP) or pkt.getlayer(IPv6)
+            host = (ip.src, ip.dst) if ip else ("?", "?")
+            if UDP in pkt and port in (pkt[UDP].dport, pkt[UDP].sport):
+                udp, raw = pkt[UDP], bytes(pkt[UDP].payload)
+                short = f"{len(raw)} bytes after UDP, fewer than the {HEADER_SIZE}-byte header"
+                found.append(
+                    CapturedFrame(
+                        index,
+                        float(pkt.time),
+                        "udp",
+                        f"{host[0]}:{udp.sport}",
+                        f"{host[1]}:{udp.dport}",
+                        _fields(raw) if len(raw) >= HEADER_SIZE else {},
+                        len(raw),
+                        _verdict(raw) if len(raw) >= HEADER_SIZE else short,
+                    )
+                )
+            elif TCP in pkt:
+                tcp, pad = pkt[TCP], pkt.getlayer(Padding)
+                data = bytes(tcp.payload)
+                if pad is not None:  # Ethernet's minimum-size padding is no stream data
+                    data = data[: len(data) - len(pad.load)]
+                seq = tcp.seq + (1 if tcp.flags.S else 0)  # a SYN takes one sequence number
+                key = (f"{host[0]}:{tcp.sport}", f"{host[1]}:{tcp.dport}")
+                flows.setdefault(key, []).append((seq, data, index, float(pkt.time)))
+    for (src, dst), segments in flows.items():
+        found.extend(_stream_frames(src, dst, segments))
+    return sorted(found, key=lambda f: (f.index, f.src))
+
+
+def _stream_frames(
+    src: str, dst: str, segments: list[tuple[int, bytes, int, float]]
+) -> Iterator[CapturedFrame]:
+    """Reassemble one direction of a TCP connection and walk its frames, header to header.
+
+    A frame's length is its head (header + meta) plus its payload, unless the payload went out of
+    band. A malformed frame, a gap the capture missed or its end stop the walk: a byte stream
+    cannot be resynchronised.
+    """
+    base = segments[0][0]
+    buf, starts, gap = bytearray(), [], None
+    for rel, data, index, time in sorted(((s - base) % (1 << 32), *rest) for s, *rest in segments):
+        if not data or rel + len(data) <= len(buf):
+            continue  # a bare ACK, or a retransmission of what we have
+        if rel > len(buf):
+            gap = f"the capture misses stream bytes {len(buf)} to {rel}"
+            break
+        starts.append((len(buf), index, time))
+        buf += data[len(buf) - rel :]
+    if not buf.startswith(MAGIC):
+        return  # not a nicoffload stream (or its start was not captured)
+    view, off = memoryview(buf), 0
+    while off < len(buf):
+        index, time = next((i, t) for o, i, t in reversed(starts) if o <= off)
+        left = view[off:]
+        if len(left) < HEADER_SIZE:
+            end = gap or f"the capture ends inside a header ({len(left)} of {HEADER_SIZE} bytes)"
+            yield CapturedFrame(index, time, "tcp", src, dst, {}, len(left), end)
+            return
+        fields, error = _fields(left), _verdict(left)
+        size = HEADER_SIZE + fields["meta_len"]
+        if not fields["flags"] & OUT_OF_BAND:
+            size += fields["payload_len"]
+        if error is None and size > len(left):
+            error = gap or f"the capture ends inside the frame ({len(left)} of {size} bytes)"
+        yield CapturedFrame(index, time, "tcp", src, dst, fields, min(size, len(left)), error)
+        if error is not None:
+            return
+        off += size
+    if gap:  # the walk ended on a frame boundary just before the missing bytes
+        index, time = starts[-1][1:]
+        yield CapturedFrame(index, time, "tcp", src, dst, {}, 0, gap)

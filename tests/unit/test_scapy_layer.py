@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("scapy", reason="the scapy layer needs the 'p4' extra")
 
-from scapy.layers.inet import IP, UDP
+from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 from scapy.utils import wrpcap
@@ -128,6 +129,51 @@ def test_a_capture_yields_its_nicoffload_frames_with_frame_py_verdicts(tmp_path:
     ok, bad, short = got
     assert ok.error is None and ok.src == "10.0.0.1:40000" and ok.dst == "10.0.0.2:7700"
     assert (ok.fields["pipeline_id"], ok.fields["stage_id"], ok.fields["request_id"]) == (7, 2, 9)
-    assert ok.datagram_len == HEADER_SIZE + 2
+    assert ok.transport == "udp" and ok.length == HEADER_SIZE + 2
     assert bad.error is not None and "checksum" in bad.error
     assert short.error is not None and short.fields == {}
+
+
+def _tcp(tmp_path: Path, stream: bytes, cuts: list[int], *, drop: int | None = None) -> Path:
+    """One TCP direction carrying `stream`, cut into segments at `cuts` (SYN first, the second
+    segment sent twice, segment `drop` lost), and an HTTP flow that is no nicoffload stream."""
+    ip = Ether() / IP(src="10.0.0.1", dst="10.0.0.2")
+    isn = 1000
+    pkts = [ip / TCP(sport=5000, dport=7700, flags="S", seq=isn)]
+    bounds = [0, *cuts, len(stream)]
+    segs = [
+        ip / TCP(sport=5000, dport=7700, flags="A", seq=isn + 1 + a) / Raw(stream[a:b])
+        for a, b in itertools.pairwise(bounds)
+    ]
+    segs.insert(2, segs[1])  # a retransmission
+    if drop is not None:
+        del segs[drop]
+    pkts += [*segs, ip / TCP(sport=5001, dport=80, seq=1) / Raw(b"GET / HTTP/1.1\r\n")]
+    path = tmp_path / "tcp.pcap"
+    wrpcap(str(path), pkts)
+    return path
+
+
+def _frames() -> tuple[bytes, bytes]:
+    data = Header(Kind.DATA, slot=1, request_id=5, batch_size=1, payload_len=10)
+    return wire(Header(Kind.HELLO), b"meta"), wire(data) + bytes(range(10))
+
+
+def test_a_tcp_stream_is_reassembled_into_its_frames_payloads_skipped(tmp_path: Path) -> None:
+    hello, data = _frames()
+    stream = hello + data
+    got = read_capture(_tcp(tmp_path, stream, [10, len(hello) + 30]))
+    assert [(f.transport, f.error) for f in got] == [("tcp", None), ("tcp", None)]
+    assert [Kind(f.fields["kind"]) for f in got] == [Kind.HELLO, Kind.DATA]
+    assert [f.length for f in got] == [len(hello), len(data)]
+    assert [f.index for f in got] == [1, 2]  # the packets holding each frame's first byte
+    assert got[0].src == "10.0.0.1:5000" and got[0].dst == "10.0.0.2:7700"
+
+
+def test_a_tcp_stream_with_lost_bytes_stops_at_the_gap(tmp_path: Path) -> None:
+    hello, data = _frames()
+    # the DATA header arrives whole, then 2 of its 10 payload bytes, then a segment is lost
+    cuts = [10, len(hello) + HEADER_SIZE + 2, len(hello) + HEADER_SIZE + 6]
+    got = read_capture(_tcp(tmp_path, hello + data, cuts, drop=3))
+    assert len(got) == 2 and got[0].error is None
+    assert got[1].fields["kind"] == Kind.DATA and "misses stream bytes" in got[1].error
