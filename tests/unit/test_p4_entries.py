@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -184,3 +187,15 @@ def test_the_p4info_check_refuses_what_a_target_would(plans, info, how: str, mes
     _mutate(request, how)
     with pytest.raises(P4InfoMismatch, match=message):
         info.check(request)
+
+
+def test_protobuf_loaded_first_in_its_fast_mode_is_a_failure_that_says_what_to_set() -> None:
+    code = (
+        "import google.protobuf.message\n"
+        "from nicoffload.errors import SystemFailure\n"
+        "from nicoffload.p4._proto import proto\n"
+        "try:\n    proto()\nexcept SystemFailure as exc:\n    print(exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in out.stdout, out.stderr
