@@ -1,0 +1,115 @@
+"""Where an rdma receiver's ring lives when its consumer is a GPU: registered GPU memory itself
+(GPUDirect RDMA, through a dma-buf or nvidia-peermem) when the platform offers it, otherwise
+pinned host memory copied to the GPU asynchronously. `probe` looks, `choose` decides (pure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DMABUF, PEERMEM, PINNED = "gpudirect-dmabuf", "gpudirect-peermem", "pinned-host"
+PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem")
+CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124  # cuda.h (CUDA >= 11.7)
+
+
+@dataclass(frozen=True)
+class GpuCaps:
+    """What the platform offers a GPU destination, as `probe` found it."""
+
+    gpu: bool  # a CUDA device answers
+    rdma_device: str | None  # the verbs device the ring would be registered with
+    verbs_dmabuf: bool  # rdma-core / pyverbs register a dma-buf (ibv_reg_dmabuf_mr)
+    cuda_dmabuf: bool  # the CUDA driver exports device memory as a dma-buf
+    peermem: bool  # nvidia_peermem (or the older nv_peer_mem) is loaded
+
+
+@dataclass(frozen=True)
+class Destination:
+    kind: Literal["gpudirect-dmabuf", "gpudirect-peermem", "pinned-host"]
+    reason: str
+
+    @property
+    def gpudirect(self) -> bool:
+        return self.kind != PINNED
+
+    def describe(self) -> str:
+        """One line for `plan` and `run`: the choice and why."""
+        return f"rdma GPU destination: {self.kind} ({self.reason})"
+
+
+def choose(caps: GpuCaps) -> Destination:
+    """GPUDirect through dma-buf first (upstream kernels, no out-of-tree module), then through
+    nvidia-peermem, otherwise pinned host memory and an asynchronous copy to the GPU."""
+    if not caps.gpu:
+        return Destination(PINNED, "no CUDA device: the ring stays in host memory")
+    if caps.rdma_device is None:
+        return Destination(PINNED, "no RDMA device to register GPU memory with")
+    if caps.verbs_dmabuf and caps.cuda_dmabuf:
+        return Destination(
+            DMABUF, f"dma-buf from the CUDA driver, registered on {caps.rdma_device}"
+        )
+    if caps.peermem:
+        return Destination(
+            PEERMEM, f"nvidia-peermem loaded, GPU memory registered on {caps.rdma_device}"
+        )
+    missing = [
+        name
+        for name, ok in (
+            ("ibv_reg_dmabuf_mr in rdma-core/pyverbs", caps.verbs_dmabuf),
+            ("dma-buf export in the CUDA driver", caps.cuda_dmabuf),
+        )
+        if not ok
+    ]
+    return Destination(
+        PINNED,
+        f"no GPUDirect: neither dma-buf ({', '.join(missing)} missing) nor nvidia-peermem; "
+        "pinned host ring, asynchronous copy to the GPU",
+    )
+
+
+def probe(rdma_device: str | None) -> GpuCaps:
+    """Look at this machine (kernel modules, rdma-core, the CUDA driver); never raises."""
+    modules = ""
+    with contextlib.suppress(OSError):
+        modules = Path("/proc/modules").read_text()
+    loaded = {line.split(" ", 1)[0] for line in modules.splitlines()}
+    gpu, cuda_dmabuf = _cuda()
+    return GpuCaps(
+        gpu=gpu,
+        rdma_device=rdma_device,
+        verbs_dmabuf=_verbs_dmabuf(),
+        cuda_dmabuf=cuda_dmabuf,
+        peermem=any(m in loaded for m in PEERMEM_MODULES),
+    )
+
+
+def _verbs_dmabuf() -> bool:
+    try:
+        from nicoffload.transport import verbs
+
+        verbs.pyverbs()
+        return hasattr(importlib.import_module("pyverbs.mr"), "DmaBufMR")
+    except Exception:  # no pyverbs, or one built without dma-buf support
+        return False
+
+
+def _cuda() -> tuple[bool, bool]:
+    """(a CUDA device answers, it exports dma-bufs), from the driver API directly."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, False
+    dev, value, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)) or not count.value:
+        return False, False
+    if cuda.cuDeviceGet(ctypes.byref(dev), 0):
+        return True, False
+    attr = CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
+    if cuda.cuDeviceGetAttribute(ctypes.byref(value), attr, dev):
+        return True, False
+    return True, bool(value.value)
