@@ -275,7 +275,12 @@ class Connection:
         built = build_stage(
             yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms
         )
-        sender = connect(load.forward_to, timeout=self.cfg.handshake_timeout_s)
+        sender = connect(
+            load.forward_to,
+            timeout=self.cfg.handshake_timeout_s,
+            pipeline_id=built.pipeline_id,
+            stage_id=built.next_stage_id,
+        )
         try:
             session = Session(
                 built,

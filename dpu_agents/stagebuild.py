@@ -12,6 +12,7 @@ from pathlib import Path
 from dpu_agents.protocol import OutputMeta
 from nicoffload.errors import AgentError, NicoffloadError
 from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
+from nicoffload.p4.ids import pipeline_id, stage_ids
 from nicoffload.planner.plan import Plan
 from nicoffload.runtime.stage import Stage
 from nicoffload.transport.frame import DType
@@ -27,6 +28,8 @@ class Built:
     out_specs: dict[str, TensorSpec]  # value key -> spec, for every value leaving the stage
     batch_max_size: int
     batch_max_wait_s: float
+    pipeline_id: int = 0  # stamped in the forwarded frames' headers: what the NIC steers on
+    next_stage_id: int = 0
 
     def outputs(self) -> tuple[OutputMeta, ...]:
         return tuple(
@@ -98,4 +101,16 @@ def build_stage(
         stage = Stage(pipeline, sp, set(out_specs))
     except NicoffloadError as exc:
         raise AgentError(f"cannot bind stage {stage_name!r}: {exc}") from None
-    return Built(pipeline, stage, out_specs, batch_max_size, batch_max_wait_ms / 1000)
+    ids = stage_ids(plan)
+    order = [s.name for s in plan.stages]
+    after = order[order.index(stage_name) + 1] if order.index(stage_name) + 1 < len(order) else None
+    next_id = ids[after] if after is not None else ids.get("egress", 0)
+    return Built(
+        pipeline,
+        stage,
+        out_specs,
+        batch_max_size,
+        batch_max_wait_ms / 1000,
+        pipeline_id(plan.pipeline),
+        next_id,
+    )
