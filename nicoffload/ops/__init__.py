@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 DEVICES = ("cpu", "dpu", "gpu")
 REQUIRED = object()
-OP_MODULES = ("decode", "resize", "crop", "normalize", "fused", "tokenize")
+OP_MODULES = ("decode", "resize", "crop", "normalize", "fused", "tokenize", "gpu_image")
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -221,6 +221,8 @@ class Kernel:
     runtime passes `out` (same structure; static shapes only), `fn` writes into it and returns
     it. A returned array the kernel allocated itself may be a per-thread scratch buffer, valid
     until the same `fn` is next called on the same thread. Per-item failures raise ItemError.
+    A `batched` kernel's `fn` takes a whole batch instead (`fn(*batch_inputs, failed=...)`,
+    per-item failures recorded by row), which is how GPU kernels run.
     """
 
     ops: tuple[str, ...]
@@ -228,6 +230,7 @@ class Kernel:
     build: Callable[[Sequence[Node], Sequence[Node]], KernelFn]
     doc: str = ""
     releases_gil: bool = True
+    batched: bool = False
 
 
 @dataclass
@@ -271,7 +274,9 @@ def op(
     return deco
 
 
-def kernel(ops: str | Sequence[str], device: str, *, releases_gil: bool = True):
+def kernel(
+    ops: str | Sequence[str], device: str, *, releases_gil: bool = True, batched: bool = False
+):
     """Register a kernel builder for an op (or a fused chain of ops) on a device."""
     chain = (ops,) if isinstance(ops, str) else tuple(ops)
     if device not in DEVICES:
@@ -282,7 +287,7 @@ def kernel(ops: str | Sequence[str], device: str, *, releases_gil: bool = True):
         if key in _REG.kernels:
             raise RuntimeError(f"kernel {'+'.join(chain)} on '{device}' is registered twice")
         _REG.kernels[key] = Kernel(
-            chain, device, build, (build.__doc__ or "").strip(), releases_gil
+            chain, device, build, (build.__doc__ or "").strip(), releases_gil, batched
         )
         return build
 

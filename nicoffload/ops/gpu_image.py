@@ -573,7 +573,7 @@ for _chain in (
     ("center_crop", "normalize"),
     ("resize", "center_crop", "normalize"),
 ):
-    kernel(_chain, "gpu")(_build_image_chain)
+    kernel(_chain, "gpu", batched=True)(_build_image_chain)
 
 
 # --- decode_image ----------------------------------------------------------------------------
@@ -748,7 +748,7 @@ class _Decoder:
         return res
 
 
-@kernel("decode_image", "gpu")
+@kernel("decode_image", "gpu", batched=True)
 def _build_decode(nodes, consumers):
     """GPU (nvJPEG through torchvision, batched; hardware engine where the GPU has one).
     Host bytes in, uint8 HWC CUDA tensors out (RGB: views of CHW planes); the CPU decoder takes
