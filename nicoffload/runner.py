@@ -81,18 +81,21 @@ class RunResult:
     ok: np.ndarray
     failures: list[ItemFailure]
     stats: RunStats
+    on_gpu: dict[str, Any] = field(default_factory=dict, repr=False)  # CUDA tensors
 
     def torch(self) -> dict[str, Any]:
-        """The static outputs as torch tensors sharing memory with the arrays (DLPack)."""
+        """The static outputs as torch tensors: those a GPU stage produced stay on the GPU;
+        the others share memory with the arrays (DLPack)."""
         try:
             import torch
         except ImportError as exc:
             from nicoffload.errors import MissingDependency
 
             raise MissingDependency("torch", "gpu", "RunResult.torch()") from exc
-        return {
+        host = {
             k: torch.from_dlpack(v) for k, v in self.outputs.items() if isinstance(v, np.ndarray)
         }
+        return host | self.on_gpu
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def prepare(
     """The pipeline and the plan to run it with: the given plan, else one planned now.
 
     Without a topology the local machine is planned for: the host CPU plus an emulated DPU
-    (a local agent on loopback, pinned to a share of the cores).
+    (a local agent on loopback, pinned to a share of the cores), and the GPU if CUDA works.
     """
     from nicoffload.topology import load_topology, local_topology
 
@@ -125,14 +128,14 @@ def prepare(
     if plan is None:
         from nicoffload.planner import plan_for
 
-        topology = topology or local_topology(gpu=False)
+        topology = topology or local_topology()
         plan = plan_for(pipeline, topology)
     elif not isinstance(plan, Plan):
         source = str(plan)
         plan = Plan.load(plan)
         plan.check_matches(pipeline, source)
     if topology is None and plan.topology == "local":
-        topology = local_topology(gpu=False)
+        topology = local_topology()
     return Prepared(pipeline, plan, topology, token_file)
 
 
@@ -205,6 +208,9 @@ def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> N
     for stage in stages:
         mine = {st.name: steps.get(f"{stage.plan.name}:{st.name}", 0.0) for st in stage.steps}
         stats.stages[stage.plan.name] = _stage_doc(stage.plan, float(sum(mine.values())), mine)
+    if ex.gpu is not None:
+        mine = ex.gpu.step_ms_per_item()
+        stats.stages[ex.gpu.plan.name] = _stage_doc(ex.gpu.plan, float(sum(mine.values())), mine)
 
 
 def stream(
@@ -258,12 +264,16 @@ def run(
     stats = RunStats()
     names: list[str] = []
     parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
+    on_gpu: dict[str, list[Any]] = {}
     oks, failures = [], []
     for batch in stream(prep, values_items(pipeline, inputs), stats, workers=workers):
         names.extend(batch.names)
         oks.append(batch.ok.copy())
         failures.extend(batch.failures)
         for k, v in batch.outputs.items():
+            if hasattr(v, "is_cuda"):  # a GPU stage's tensor (fresh per batch): kept for torch()
+                on_gpu.setdefault(k, []).append(v)
+        for k, v in batch.numpy().outputs.items():
             parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
     specs = pipeline.output_specs()
     outputs: dict[str, Any] = {}
@@ -275,4 +285,9 @@ def run(
         else:
             outputs[k] = [x for c in chunks for x in c]
     ok = np.concatenate(oks) if oks else np.zeros(0, bool)
-    return RunResult(names, outputs, ok, failures, stats)
+    gpu_out: dict[str, Any] = {}
+    if on_gpu:
+        import torch
+
+        gpu_out = {k: torch.cat(v) for k, v in on_gpu.items()}
+    return RunResult(names, outputs, ok, failures, stats, gpu_out)

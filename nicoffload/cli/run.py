@@ -106,7 +106,7 @@ def run(
         task = progress.add_task(pl.name, total=count)
         for batch in stream(prep, items, stats, workers=workers):
             if writer:
-                writer.write(batch)
+                writer.write(batch.numpy())  # CUDA outputs copied to the host here only
             progress.advance(task, len(batch))
     doc = stats.to_json()
     if writer:

@@ -3,9 +3,10 @@
 A feeder admits items in order (bounded by the batch-slot ring: backpressure) and routes each
 one: to the DPU agent when the plan starts with a DPU stage (`RemoteFront`), else straight to the
 host workers. Workers run an item through its host stages (kernels release the GIL) into its
-batch slot; the caller receives whole batches in order. A failing item is recorded with its
-reason and never stops the run; an agent that dies has its unfinished items run on the host;
-any other exception in a worker is carried to the caller and re-raised.
+batch slot (or the pinned staging rows of a trailing GPU stage, `GpuFeed`, which then runs each
+finished batch in order); the caller receives whole batches in order. A failing item is recorded
+with its reason and never stops the run; an agent that dies has its unfinished items run on the
+host; any other exception in a worker is carried to the caller and re-raised.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ from nicoffload.errors import AgentError, DeviceError, ItemError, SystemFailure
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
+from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
 from nicoffload.runtime.stage import Stage
 
@@ -41,7 +44,8 @@ class ItemFailure:
 
 @dataclass
 class Batch:
-    """A finished batch. Arrays are views into a reused slot: valid until the next batch is taken."""
+    """A finished batch. Arrays are views into a reused slot: valid until the next batch is taken.
+    Outputs of a GPU stage are CUDA tensors (`numpy()` gives a copy with host arrays)."""
 
     index: int
     start: int  # index of the first item in the run
@@ -54,6 +58,16 @@ class Batch:
     def __len__(self) -> int:
         return len(self.names)
 
+    def numpy(self) -> Batch:
+        """The same batch with every output on the host (CUDA tensors copied, once)."""
+
+        def host(v: Any) -> Any:
+            if isinstance(v, list):
+                return [None if x is None else host(x) for x in v]
+            return v.cpu().numpy() if hasattr(v, "cpu") else v
+
+        return replace(self, outputs={k: host(v) for k, v in self.outputs.items()})
+
 
 @dataclass
 class _Open:
@@ -65,6 +79,7 @@ class _Open:
     failures: list[ItemFailure] = field(default_factory=list)
     pending: int = 1  # the feeder's own hold until the batch is closed
     done_at: float = 0.0
+    gpu: GpuRows | None = None  # the GPU stage's input rows, when the plan ends on the GPU
 
 
 @dataclass
@@ -81,8 +96,9 @@ class _Task:
 class Executor:
     """Runs a plan. Use as a context manager; `stream(items)` yields Batches in order.
 
-    A plan may start with one DPU stage, served by `front`; every other stage runs here on the
-    host CPU. The DPU stage's nodes are also bound on the host, for failover.
+    A plan is [a DPU stage] + host CPU stages + [a GPU stage]: the DPU stage is served by
+    `front` (its nodes are also bound on the host, for failover), the GPU stage by a `GpuStage`
+    (`gpu_stage` stands in for it in tests), the rest runs here on the host CPU.
     """
 
     def __init__(
@@ -92,15 +108,18 @@ class Executor:
         workers: int | None = None,
         slots: int = 3,
         front: RemoteFront | None = None,
+        gpu_stage: Any = None,
     ) -> None:
         plan.check_matches(pipeline)
-        first, rest = plan.stages[0], plan.stages[1:]
-        lead = first if first.kind == "dpu" else None
-        for s in rest if lead else plan.stages:
+        stages = list(plan.stages)
+        lead = stages.pop(0) if stages[0].kind == "dpu" else None
+        tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
+        for s in stages:
             if s.kind != "cpu":
                 raise DeviceError(
                     f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
-                    "stage (through its agent) and host CPU stages; plan with a topology without it"
+                    "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
+                    "with a topology without it"
                 )
         if lead is not None and front is None:
             raise DeviceError(f"stage '{lead.name}' needs a DPU agent for '{lead.device}'")
@@ -108,17 +127,24 @@ class Executor:
         self.batch_size = pipeline.batch_max_size
         self.max_wait_s = pipeline.batch_max_wait_ms / 1000
         keep = {str(r) for r in pipeline.outputs.values()}
-        self.host = tuple(Stage(pipeline, s, keep) for s in (rest if lead else plan.stages))
+        self.gpu = None if tail is None else GpuFeed(pipeline, tail, keep, gpu_stage)
+        host_keep = keep | set(self.gpu.inputs if self.gpu else ())
+        self.host = tuple(Stage(pipeline, s, host_keep) for s in stages)
         self.fallback: tuple[Stage, ...] = self.host
         if lead is not None:
             as_host = StagePlan(f"{lead.name}@host", "cpu", "cpu", lead.nodes)
             self.fallback = (
-                Stage(pipeline, as_host, keep | set(leaving(pipeline, lead))),
+                Stage(pipeline, as_host, host_keep | set(leaving(pipeline, lead))),
                 *self.host,
             )
         self.workers = workers or len(os.sched_getaffinity(0))
         self.out_refs = {name: str(ref) for name, ref in pipeline.outputs.items()}
-        self._ring = SlotRing(pipeline.output_specs(), self.batch_size, slots)
+        on_gpu = self.gpu.outputs if self.gpu else set()
+        self.gpu_refs = {n: r for n, r in self.out_refs.items() if r in on_gpu}
+        self.out_refs = {n: r for n, r in self.out_refs.items() if r not in on_gpu}
+        specs = {k: s for k, s in pipeline.output_specs().items() if k in self.out_refs}
+        # batches in the GPU stage still hold their slot: room for them too
+        self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
         self.steps: dict[str, list[int]] = {}  # step name -> [ns, calls]
         self.failed_over: str | None = None
         self._lock = threading.Lock()
@@ -130,11 +156,15 @@ class Executor:
         self.close()
 
     def close(self) -> None:
-        pass  # the slots are plain memory; the front belongs to whoever made it
+        # the slots are plain memory; the front belongs to whoever made it
+        if self.gpu is not None:
+            self.gpu.close()
 
     def _process(self, task: _Task, acc: dict[str, list[int]]) -> None:
         slot, row = task.batch.slot, task.row
         dests = {ref: slot.arrays[n][row] for n, ref in self.out_refs.items() if n in slot.arrays}
+        if self.gpu is not None and task.batch.gpu is not None:
+            dests.update(self.gpu.dests(task.batch.gpu, row))
         values = dict(task.values)
         for stage in task.route:
             ns, calls = [0] * len(stage.steps), [0] * len(stage.steps)
@@ -148,6 +178,8 @@ class Executor:
         for name, ref in self.out_refs.items():
             if name in slot.ragged:
                 slot.ragged[name][row] = np.array(values[ref], copy=True)
+        if self.gpu is not None and task.batch.gpu is not None:
+            self.gpu.collect(task.batch.gpu, row, values)
 
     def stream(self, items: Iterable[Item]) -> Iterator[Batch]:
         """Process `items`; yield finished batches in order. A worker's crash is re-raised here."""
@@ -263,6 +295,8 @@ class Executor:
                     break
                 if current is None:
                     current = _Open(self._ring.take(), batch_no, index)
+                    if self.gpu is not None:
+                        current.gpu = self.gpu.rows(self.batch_size)
                     batch_no += 1
                 name, values = it
                 row = len(current.names)
@@ -293,26 +327,53 @@ class Executor:
             )
         for t in threads:
             t.start()
-        next_index = 0
-        try:
+
+        def ordered() -> Iterator[_Open]:
+            """Batches whose host work is done, in order (on the GPU stage's feeding thread
+            when there is one: it returns once the consumer has stopped)."""
+            next_index = 0
             while True:
                 with cond:
                     while not (
                         next_index in ready or failure or (total and next_index >= total[0])
                     ):
-                        cond.wait()
+                        if stop.is_set():
+                            return
+                        cond.wait(timeout=0.1)
                     if failure:
                         raise SystemFailure(
                             f"runtime: a worker failed: {failure[0]!r}"
                         ) from failure[0]
                     if next_index not in ready:
-                        break
+                        return
                     b = ready.pop(next_index)
                 next_index += 1
-                yield self._to_batch(b)
-                self._ring.give(b.slot)
+                yield b
+
+        def to_gpu() -> Iterator[Mapping[str, Any]]:
+            assert self.gpu is not None
+            for b in ordered():
+                fed.append(b)
+                assert b.gpu is not None
+                yield self.gpu.batch_inputs(b.gpu, len(b.names), self._ok(b))
+
+        fed: deque[_Open] = deque()
+        gpu_run: Any = None
+        try:
+            if self.gpu is None:
+                for b in ordered():
+                    yield self._to_batch(b)
+                    self._ring.give(b.slot)
+            else:
+                gpu_run = self.gpu.run(to_gpu())
+                for gb in gpu_run:
+                    b = fed.popleft()
+                    yield self._gpu_batch(b, gb)
+                    self._ring.give(b.slot)
         finally:
             stop.set()
+            if gpu_run is not None:
+                gpu_run.close()  # joins the GPU stage's threads
             admitted.set()
             for q in (work, source):
                 while True:
@@ -328,11 +389,32 @@ class Executor:
             for t in threads[: self.workers]:
                 t.join(timeout=5.0)  # their step times are merged as they exit
 
-    def _to_batch(self, b: _Open) -> Batch:
-        n = len(b.names)
-        ok = np.ones(n, dtype=bool)
+    @staticmethod
+    def _ok(b: _Open) -> np.ndarray:
+        ok = np.ones(len(b.names), dtype=bool)
         for f in b.failures:
             ok[f.index - b.start] = False
+        return ok
+
+    def _gpu_batch(self, b: _Open, gb: Any) -> Batch:
+        """A batch after its GPU stage: the GPU's per-item failures join the host's."""
+        assert self.gpu is not None
+        batch = self._to_batch(b)
+        more = [
+            ItemFailure(b.start + row, b.names[row], e.reason, e.detail)
+            for row, e in sorted(gb.failures.items())
+            if batch.ok[row]
+        ]
+        ok = batch.ok.copy()
+        ok[[f.index - b.start for f in more]] = False
+        outputs = batch.outputs | self.gpu.outputs_of(gb, ok, self.gpu_refs)
+        failures = sorted(batch.failures + more, key=lambda f: f.index)
+        lat = time.perf_counter() - np.array(b.admitted)
+        return replace(batch, outputs=outputs, ok=ok, failures=failures, latencies_s=lat)
+
+    def _to_batch(self, b: _Open) -> Batch:
+        n = len(b.names)
+        ok = self._ok(b)
         outputs: dict[str, Any] = {k: a[:n] for k, a in b.slot.arrays.items()}
         outputs.update({k: list(v[:n]) for k, v in b.slot.ragged.items()})
         for a in b.slot.arrays.values():

@@ -1,0 +1,150 @@
+"""The executor's GPU end without a GPU: a stand-in GpuStage (numpy, same interface) checks
+the plumbing: pinned rows written in place by the host workers, order, partial batches, and
+per-item failures from the host and from the GPU stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import nicoffload
+from nicoffload import ops
+from nicoffload.errors import ItemError
+from nicoffload.graph import load_pipeline
+from nicoffload.inputs import sample_items
+from nicoffload.planner import plan_for
+from nicoffload.runtime.executor import Executor
+from nicoffload.topology import local_topology
+
+
+def pinned_pipeline(tmp_path: Path, gpu_nodes: tuple[str, ...]) -> Path:
+    """resnet50's recipe with the nodes in `gpu_nodes` pinned to the GPU, the rest to the CPU."""
+    text = Path("pipelines/resnet50.yaml").read_text().replace("max_size: 64", "max_size: 8")
+    pins = {n: "gpu" if n in gpu_nodes else "cpu" for n in ("decode", "resize", "crop", "norm")}
+    text += "placement: {" + ", ".join(f"{n}: [{d}]" for n, d in pins.items()) + "}\n"
+    path = tmp_path / "pinned.yaml"
+    path.write_text(text)
+    return path
+
+
+@dataclass
+class FakeHostBatch:
+    slot: Any
+    arrays: list[np.ndarray]
+    offsets: list[int]
+    nbytes: int
+
+
+@dataclass
+class FakeGpuBatch:
+    n: int
+    outputs: dict[str, Any]
+    failures: dict[int, ItemError]
+
+
+class FakeRing:
+    def __init__(self) -> None:
+        self.given_back = 0
+
+    def give_back(self, slot: Any) -> None:
+        self.given_back += 1
+
+
+class FakeGpuStage:
+    """normalize on the host, a batch at a time; fails the items numbered in `fail`."""
+
+    def __init__(self, pipeline, plan, fail: frozenset[int] = frozenset()) -> None:
+        self.fail = fail
+        node = pipeline.node("norm")
+        self.fn = ops.get_kernel("normalize", "cpu").build([node], [])
+        self.steps = [type("S", (), {"name": "norm"})()]
+        self.inputs, self.outputs = ["crop"], ["norm"]
+        self.ring = FakeRing()
+        self.pinned_batches = 0
+        self.closed = False
+
+    def host_batch(self, shapes, dtype=np.uint8) -> FakeHostBatch:
+        self.pinned_batches += 1
+        arrays = [np.zeros(s, dtype) for s in shapes]
+        return FakeHostBatch(
+            object(), arrays, [i * arrays[0].nbytes for i in range(len(shapes))], 0
+        )
+
+    def stream(self, batches):
+        start = 0
+        for b in batches:
+            rows = b["crop"].arrays
+            out = np.stack([np.array(self.fn(r), copy=True) for r in rows])
+            bad = {
+                i: ItemError("gpu_says_no", "row")
+                for i in range(len(rows))
+                if start + i in self.fail
+            }
+            start += len(rows)
+            yield FakeGpuBatch(len(rows), {"norm": out}, bad)
+
+    def step_ms_per_item(self) -> dict[str, float]:
+        return {"norm": 0.001}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def run_with_fake(path: Path, items, fail=frozenset()) -> tuple[list, FakeGpuStage]:
+    pipeline = load_pipeline(path)
+    plan = plan_for(pipeline, local_topology(emulate_dpu=False, gpu=True))
+    assert [s.kind for s in plan.stages] == ["cpu", "gpu"]
+    fake = FakeGpuStage(pipeline, plan.stages[-1], fail)
+    with Executor(pipeline, plan, workers=3, gpu_stage=fake) as ex:
+        batches = [
+            (b.start, b.names, b.ok.copy(), b.failures, b.outputs["pixels"].copy())
+            for b in ex.stream(items)
+        ]
+    assert fake.closed
+    return batches, fake
+
+
+def test_host_workers_write_the_gpu_stage_rows_in_place_and_outputs_match_the_host(tmp_path):
+    items = sample_items(load_pipeline("pipelines/resnet50.yaml"), 21, seed=3)
+    batches, fake = run_with_fake(pinned_pipeline(tmp_path, ("norm",)), items)
+    want = nicoffload.run("pipelines/resnet50.yaml", items, topology=None, workers=2)
+    got = np.concatenate([b[4] for b in batches])
+    assert [n for b in batches for n in b[1]] == want.names
+    assert fake.pinned_batches == len(batches) >= 3  # 21 items in batches of 8: one is partial
+    np.testing.assert_array_equal(got[want.ok], want.outputs["pixels"][want.ok])
+
+
+def test_host_and_gpu_failures_are_both_reported_by_item(tmp_path):
+    items = sample_items(load_pipeline("pipelines/resnet50.yaml"), 10, seed=1)
+    items[2] = ("corrupt", {"image": b"\xff\xd8 not a jpeg"})
+    batches, _ = run_with_fake(pinned_pipeline(tmp_path, ("norm",)), items, frozenset({2, 9}))
+    failures = [f for b in batches for f in b[3]]
+    ok = np.concatenate([b[2] for b in batches])
+    assert [(f.index, f.reason) for f in failures] == [
+        (2, "unsupported_format"),
+        (9, "gpu_says_no"),
+    ]
+    assert ok.tolist() == [i not in (2, 9) for i in range(10)]
+    pixels = np.concatenate([b[4] for b in batches])
+    assert not pixels[2].any() and not pixels[9].any()  # a failed row is zero
+
+
+def test_the_planner_places_nothing_on_a_gpu_the_topology_lacks():
+    pipeline = load_pipeline("pipelines/resnet50.yaml")
+    plan = plan_for(pipeline, local_topology(gpu=False))
+    assert "gpu" not in {s.kind for s in plan.stages}
+
+
+def test_importing_the_registry_imports_no_gpu_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nicoffload; from nicoffload import ops; ops.all_kernels(); "
+        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
