@@ -328,23 +328,47 @@ def load_topology(path: str | Path) -> Topology:
     return topo
 
 
-def _cuda_works() -> bool:
-    """True only when a GPU library is installed and says CUDA works; never raises."""
+def _cuda_gpu_name() -> str | None:
+    """The name of CUDA device 0 when a GPU library is installed and CUDA works, else None;
+    never raises."""
     from importlib.util import find_spec
 
-    for module, probe in (
-        ("cupy", "cupy.cuda.runtime.getDeviceCount() > 0"),
-        ("torch", "torch.cuda.is_available()"),
-    ):
+    def by_cupy() -> str | None:
+        import cupy.cuda
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return None
+        name = cupy.cuda.runtime.getDeviceProperties(0).get("name", b"")
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def by_torch() -> str | None:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+    for module, probe in (("torch", by_torch), ("cupy", by_cupy)):
         if find_spec(module) is None:
             continue
         try:
-            return bool(
-                eval(probe, {module: __import__(f"{module}.cuda" if module == "cupy" else module)})
-            )
+            return probe()
         except Exception:
             continue
-    return False
+    return None
+
+
+def _cuda_works() -> bool:
+    """True only when a GPU library is installed and says CUDA works; never raises."""
+    return _cuda_gpu_name() is not None
+
+
+def _gpu_profile(name: str) -> str:
+    """This machine's measured GPU profile, else the shipped one for its model: the measured
+    H200's, or the H100 estimate for any other GPU."""
+    from nicoffload.profiles import SHIPPED_DIR, default_profile_for, measured_path
+
+    if not measured_path("gpu").is_file() and "H200" in name.upper():
+        return str(SHIPPED_DIR / "h200.json")
+    return default_profile_for("gpu")
 
 
 def _host_memory() -> int | None:
@@ -377,7 +401,8 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
 def local_topology(
     *, emulate_dpu: bool = True, gpu: bool | None = None, dpu_share: float = 0.5
 ) -> Topology:
-    """The machine this runs on: host cpu, an emulated dpu0 on loopback, gpu0 if CUDA works.
+    """The machine this runs on: host cpu, an emulated dpu0 on loopback, gpu0 if CUDA works
+    (`gpu` True or False forces it in or out; its profile follows its name, `_gpu_profile`).
 
     The emulated DPU is the agent daemon pinned to a share of the host's cores; those cores are
     taken from the host's count so that the planner does not count them twice. Each device's
@@ -400,9 +425,12 @@ def local_topology(
             )
         )
         links.append(_measured_link("dpu0", "cpu", "tcp", cpu_profile, bandwidth=2.5e9))
-    if gpu if gpu is not None else _cuda_works():
-        devices.append(Device("gpu0", "gpu", 1, 1.0, None, None, default_profile_for("gpu")))
-        links.append(_measured_link("cpu", "gpu0", "pcie", cpu_profile, bandwidth=25e9))
+    gpu_name = _cuda_gpu_name() if gpu is not False else None
+    if gpu or gpu_name is not None:
+        # capacity 1: GPU profiles cost a whole batch on the whole device, per item
+        gpu_profile = _gpu_profile(gpu_name or "")
+        devices.append(Device("gpu0", "gpu", 1, 1.0, None, None, gpu_profile))
+        links.append(_measured_link("cpu", "gpu0", "pcie", gpu_profile, bandwidth=25e9))
     ids = [d.id for d in devices]
     return Topology(
         "local",
