@@ -693,7 +693,6 @@ def main() -> None:
 
     import torch
 
-    import nicoffload.ops.gpu_image  # noqa: F401  (until OP_MODULES lists it)
     from nicoffload.graph import load_pipeline
     from nicoffload.runtime.gpu_stage import GpuStage
 

@@ -49,7 +49,11 @@ TOLERANCES = {
     ("decode_image", "rgb"): EXACT,
     ("decode_image", "gray"): Tolerance(12, mean_abs=0.2, why="coded Y vs Pillow's L of RGB"),
     # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's (tests/device measures 0.3-3.5).
-    ("decode_image", "gpu"): Tolerance(math.inf, mean_abs=4.0, why="nvJPEG vs libjpeg-turbo"),
+    # measured on the H200: 0.03-2.15 uint8 levels on photographs, 4.2 on this contract's own
+    # synthetic images (noise on upsampled random blocks, random chroma subsampling)
+    ("decode_image", "gpu"): Tolerance(
+        math.inf, mean_abs=6.0, why="nvJPEG vs libjpeg-turbo: IDCT, chroma upsampling"
+    ),
     ("resize", ""): Tolerance(1, why="Pillow's arithmetic, passes in the other order"),
     ("center_crop", ""): EXACT,
     ("tokenize", ""): EXACT,
