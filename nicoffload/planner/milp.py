@@ -12,7 +12,7 @@ scipy is imported here only, when a DAG is planned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +28,7 @@ class MilpResult:
     status: str
     gap: float  # relative MIP gap HiGHS reports for the primary solve (0 when proven optimal)
     solves: int
+    tie_gap: float = 0.0  # the same for the secondary (tie-break); inf when it was not run
 
 
 class _Builder:
@@ -180,13 +181,25 @@ def solve_milp(
     exclude: np.ndarray | None = None,
     time_limit: float = 60.0,
 ) -> MilpResult:
-    """The best placement (lexicographic primary, secondary), optionally not `exclude`."""
+    """The best placement (lexicographic primary, secondary), optionally not `exclude`.
+
+    A DAG of parallel chains is solved by branch classes (parallel.py); any other DAG by the
+    per-node program below. `time_limit` is for the whole call.
+    """
+    import time
+
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
+
+    from nicoffload.planner.flow import highs_quiet
 
     allowed = model.allowed if allowed is None else allowed & model.allowed
     if not allowed.any(axis=1).all():
         return MilpResult(None, "infeasible", 0.0, 0)
+    deadline = time.perf_counter() + time_limit
+    fast = _solve_branches(model, goal, allowed, exclude, time_limit)
+    if fast is not None:
+        return fast
     b, x, (primary, secondary) = _formulate(model, goal, allowed, exclude)
     data, ri, ci, lo, hi = [], [], [], [], []
     for i, (coefs, a, z) in enumerate(b.rows):
@@ -199,15 +212,19 @@ def solve_milp(
     nv = len(b.lb)
     A = coo_matrix((data, (ri, ci)), shape=(len(b.rows), nv)).tocsr()
     bounds = Bounds(np.array(b.lb), np.array(b.ub))
-    options = {"mip_rel_gap": 1e-9, "time_limit": time_limit}
-    solves, gap, extra = 0, 0.0, []
+    solves, gap, tie_gap, extra = 0, 0.0, np.inf, []
     for which, key in enumerate((primary, secondary)):
+        if which == 1 and gap > 1e-6:
+            break  # ties of an unproven primary are not ties: keep its plan, say so
+        left = max(0.01, deadline - time.perf_counter())
+        options = {"mip_rel_gap": 1e-9, "time_limit": left}
         c = np.zeros(nv)
         c[key] = 1.0
         cons = [LinearConstraint(A, np.array(lo), np.array(hi)), *extra]
-        res = milp(
-            c, constraints=cons, integrality=np.array(b.integer), bounds=bounds, options=options
-        )
+        with highs_quiet():
+            res = milp(
+                c, constraints=cons, integrality=np.array(b.integer), bounds=bounds, options=options
+            )
         solves += 1
         if res.x is None:
             status = "infeasible" if res.status == 2 else f"failed: {res.message}"
@@ -215,6 +232,8 @@ def solve_milp(
                 return MilpResult(None, status, np.inf, solves)
             break
         best = res.x
+        if which == 1:
+            tie_gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
         if which == 0:
             gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
             row = np.zeros(nv)
@@ -224,4 +243,35 @@ def solve_milp(
     for (v, d), col in x.items():
         if best[col] > 0.5:
             placement[v] = d
-    return MilpResult(placement, "optimal", gap, solves)
+    return MilpResult(placement, "optimal", gap, solves, tie_gap)
+
+
+def _solve_branches(
+    model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None, limit: float
+) -> MilpResult | None:
+    """Parallel chains as branch classes, or None when the DAG is not made of chains."""
+    from nicoffload.planner.branches import chain_classes
+    from nicoffload.planner.parallel import solve_parallel
+
+    masked = replace(model, cost=np.where(allowed, model.cost, np.inf))
+    classes = chain_classes(masked)
+    if classes is None:
+        return None
+    differ = None
+    if exclude is not None:
+        for ch in classes:  # two copies placed differently: swapped, they tie with `exclude`
+            rows = exclude[np.array(ch.members)]
+            other = np.flatnonzero(np.any(rows != rows[0], axis=1))
+            if len(other):
+                swapped = exclude.copy()
+                a, b = list(ch.members[0]), list(ch.members[other[0]])
+                swapped[a], swapped[b] = exclude[b], exclude[a]
+                return MilpResult(swapped, "optimal", 0.0, 0)
+        try:
+            differ = [ch.path_of(exclude[list(ch.members[0])]) for ch in classes]
+        except StopIteration:  # `exclude` is not a placement these classes can take
+            differ = None
+    result = solve_parallel(masked, goal, classes, limit, differ)
+    if result is None:
+        return None
+    return MilpResult(result.placement, result.status, result.gap, result.solves, result.tie_gap)

@@ -24,21 +24,27 @@ from nicoffload.topology import Topology, load_topology, local_topology
 ProfileArg = str | Path | Profile | Sequence[str | Path | Profile] | None
 
 
-def solve(model: CostModel, goal: Goal, allowed: np.ndarray | None = None, exclude=None):
+def solve(
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray | None = None,
+    exclude=None,
+    time_limit: float = 60.0,
+):
     """The best placement (device index per node) or None; DP for chains, else the MILP."""
     if exclude is None and is_chain(model):
         return solve_chain(model, goal, allowed)
     from nicoffload.planner.milp import solve_milp
 
-    return solve_milp(model, goal, allowed, exclude).placement
+    return solve_milp(model, goal, allowed, exclude, time_limit).placement
 
 
 def runner_up(
-    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray
+    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray, time_limit: float = 60.0
 ) -> np.ndarray | None:
     """The best placement other than `best`: for a chain, the best over forcing one node elsewhere."""
     if not is_chain(model):
-        return solve(model, goal, allowed, exclude=best)
+        return solve(model, goal, allowed, exclude=best, time_limit=time_limit)
     found = []
     for v in range(model.n):
         for d in np.flatnonzero(allowed[v]):
@@ -241,13 +247,25 @@ def plan_for(
                 f"the MILP stopped at its {time_limit_s:g} s time limit: this plan is proven "
                 f"within {result.gap:.1%} of the optimum, not optimal",
             )
+        elif best is not None and result.tie_gap > 1e-6:
+            from nicoffload.planner.explain import SECONDARY
+
+            proven = (
+                f"is proven only within {result.tie_gap:.1%} of the best"
+                if np.isfinite(result.tie_gap)
+                else "was not compared"
+            )
+            notes += (
+                f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
+                f"is optimal, but among plans that tie on it its {SECONDARY[objective]} {proven}",
+            )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
     if explain:
         from nicoffload.planner.explain import explanation
 
-        second = runner_up(model, goal, best, allowed)
+        second = runner_up(model, goal, best, allowed, time_limit_s)
         plan = replace(plan, explain=explanation(model, topo, goal, best, second))
     return plan
 

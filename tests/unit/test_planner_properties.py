@@ -1,6 +1,8 @@
 """The solvers are exact: on random DAGs (up to 8 nodes) over random topologies (up to 4
 devices) with random costs, their objective equals brute force for every objective, and no
-placement they return breaks a pin (an allowed-device restriction) or a memory limit."""
+placement they return breaks a pin (an allowed-device restriction) or a memory limit. DAGs of
+parallel chains (identical copies among them) are solved as branch classes, and are tested as
+such too."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from nicoffload.planner.branches import chain_classes
 from nicoffload.planner.cost import CostModel, Group, TensorRef, routes
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, brute_force, evaluate
@@ -97,6 +100,78 @@ def random_model(seed: int, chain: bool | None = None) -> CostModel:
     )
 
 
+def random_branches(seed: int) -> CostModel:
+    """Parallel chains (a multi-camera request): 1-3 kinds of chain, each 1-3 nodes long with
+    1-4 identical copies, up to 8 nodes; copies interleaved in the topological order (as a
+    pipeline file lists them) or one after the other (then fused groups can exist)."""
+    rng = np.random.default_rng(seed)
+    topo = random_topology(rng)
+    rt = routes(topo)
+    D = len(topo.devices)
+    kinds, n = [], 0
+    while n < 8 and (not kinds or rng.random() < 0.7):
+        length = int(rng.integers(1, 4))
+        copies = int(rng.integers(1, 5))
+        copies = min(copies, (8 - n) // length)
+        if copies == 0:
+            break
+        kinds.append((length, copies))
+        n += length * copies
+    chains = [(k, j) for k, (_, copies) in enumerate(kinds) for j in range(copies)]
+    interleave = rng.random() < 0.5
+    if interleave:  # position-major: dec0, dec1, rs0, rs1, ...
+        order = [(c, i) for i in range(3) for c in range(len(chains)) if i < kinds[chains[c][0]][0]]
+    else:
+        order = [(c, i) for c in range(len(chains)) for i in range(kinds[chains[c][0]][0])]
+    index = {key: v for v, key in enumerate(order)}
+    per_kind = []
+    for length, _ in kinds:
+        cost = rng.uniform(0.01, 5.0, (length, D)) * rng.uniform(0.2, 5.0, D)
+        allowed = rng.random((length, D)) < 0.8
+        allowed[np.arange(length), rng.integers(0, D, length)] = True
+        nbytes = 10 ** rng.uniform(3, 6, length + 1)
+        per_kind.append((np.where(allowed, cost, np.inf), nbytes, rng.uniform(1.0, 10.0, length)))
+    cost = np.empty((n, D))
+    mem = np.empty(n)
+    refs, groups = [], []
+    for c, (k, j) in enumerate(chains):
+        kcost, nbytes, kmem = per_kind[k]
+        length = kinds[k][0]
+        nodes = [index[c, i] for i in range(length)]
+        cost[nodes], mem[nodes] = kcost, kmem
+        if j and rng.random() < 0.2:  # a pinned copy is a class of its own
+            cost[nodes[0], rng.integers(0, D)] = np.inf
+            cost[nodes[0], np.argmin(kcost[0])] = kcost[0].min()
+        refs.append(TensorRef(f"in{c}", -1, (nodes[0],), False, float(nbytes[0])))
+        for i, v in enumerate(nodes):
+            last = i == length - 1
+            consumers = () if last else (nodes[i + 1],)
+            refs.append(TensorRef(f"n{v}", v, consumers, last, float(nbytes[i + 1])))
+            if not last and not interleave and k == 0 and i == 0:
+                delta = np.where(rng.random(D) < 0.3, np.nan, rng.uniform(-0.5, 0.2, D))
+                groups.append(Group((v, v + 1), "a+b", delta))
+    mem_cap = rng.choice([np.inf, np.inf, 0.4, 0.7, 0.9], D) * mem.sum()
+    return CostModel(
+        nodes=tuple(f"n{v}" for v in range(n)),
+        devices=topo.ids,
+        resources=rt.resources,
+        divisor=rt.divisor,
+        cost=cost,
+        why_not={},
+        work=np.ones(n),
+        groups=tuple(groups),
+        refs=tuple(sorted(refs, key=lambda r: r.src)),
+        route_load=rt.load,
+        route_ms=rt.ms,
+        route_ms_per_byte=rt.ms_per_byte,
+        mem=mem,
+        mem_cap=mem_cap,
+        host=np.array([d.kind == "cpu" for d in topo.devices]),
+        ingress=topo.ids.index(topo.ingress),
+        egress=topo.ids.index(topo.egress),
+    )
+
+
 def random_goal(model: CostModel, seed: int) -> Goal:
     """An objective and, half the time, a throughput floor and a latency SLO near what is possible."""
     rng = np.random.default_rng(seed + 1)
@@ -168,11 +243,7 @@ def test_the_milp_matches_brute_force(seed: int) -> None:
     _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(SEEDS)
-def test_the_milp_runner_up_is_the_second_best_placement(seed: int) -> None:
-    model = random_model(seed)
-    goal = Goal(str(np.random.default_rng(seed).choice(OBJECTIVES)))
+def _runner_up_is_the_second_best(model: CostModel, goal: Goal) -> None:
     best = solve_milp(model, goal).placement
     assume(best is not None)
     second = solve_milp(model, goal, exclude=best).placement
@@ -185,6 +256,30 @@ def test_the_milp_runner_up_is_the_second_best_placement(seed: int) -> None:
         assert second is None
         return
     assert second is not None and not np.array_equal(second, best)
+    _check_valid(model, goal, second)
     assert _primary(model, goal, second) == pytest.approx(
         m.keys(goal.objective)[0][ok].min(), rel=1e-6, abs=1e-9
     )
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(SEEDS)
+def test_the_milp_runner_up_is_the_second_best_placement(seed: int) -> None:
+    model = random_model(seed)
+    _runner_up_is_the_second_best(model, Goal(str(np.random.default_rng(seed).choice(OBJECTIVES))))
+
+
+@SETTINGS
+@given(SEEDS)
+def test_parallel_chains_are_planned_exactly_as_branch_classes(seed: int) -> None:
+    model = random_branches(seed)
+    assert chain_classes(model) is not None
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(SEEDS)
+def test_the_runner_up_of_parallel_chains_is_the_second_best_placement(seed: int) -> None:
+    model = random_branches(seed)
+    _runner_up_is_the_second_best(model, random_goal(model, seed))

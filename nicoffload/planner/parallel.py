@@ -1,0 +1,265 @@
+"""Lexicographic planning of a DAG of parallel chains (branches.py) with the flow MILP (flow.py).
+
+For a min-max load HiGHS refutes a cap below the optimum in milliseconds (a resource's capacity
+bounds its integer counts: three decodes fit on this DPU, not four), while the search for a
+packing that meets the optimum takes far longer, and longer still when it must also prove it.
+So a load stage raises a proven lower bound with short refutations, searches for a packing
+just above it, and proves what it found by refuting just below. A latency stage searches the
+latencies paths can have, each probe a flow problem bucketed at that bound. Every answer is
+proven optimal (within REL_TOL) or comes back with the gap that is left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nicoffload.planner.branches import Chains, suffixes
+from nicoffload.planner.evaluate import REL_TOL, Goal
+from nicoffload.planner.flow import FlowProblem, Outcome, placement
+
+BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
+NARROW = 1e-3  # quick refutations narrow a load bound to this before a search
+REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
+DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
+
+
+@dataclass
+class Result:
+    placement: np.ndarray | None
+    status: str
+    gap: float  # relative gap left on the primary objective (0 when proven)
+    solves: int
+    tie_gap: float = 0.0  # the same for the secondary (tie-break) objective
+
+
+@dataclass
+class _Stage:
+    best: Outcome | None
+    value: float  # of best: its T, H or latency
+    gap: float  # 0: proven optimal; inf: nothing found
+    infeasible: bool = False
+
+
+@dataclass
+class _Search:
+    """The classes, the flow problems built so far (one per latency bound), and the clock."""
+
+    model: object
+    classes: list[Chains]
+    deadline: float
+    differ: list[np.ndarray] | None = None
+    solves: int = 0
+    refute_s: float = REFUTE_S[0] * 3
+    _suffixes: list | None = None
+    _problems: dict = field(default_factory=dict)
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
+    def suffixes(self) -> list:
+        if self._suffixes is None:
+            self._suffixes = [suffixes(ch) for ch in self.classes]
+            if any(x is None for x in self._suffixes):
+                raise _TooBig
+        return self._suffixes
+
+    def problem(self, bound: float) -> FlowProblem:
+        if bound not in self._problems:
+            suff = self.suffixes() if np.isfinite(bound) else [None] * len(self.classes)
+            self._problems[bound] = FlowProblem(self.model, self.classes, suff, bound, self.differ)
+        return self._problems[bound]
+
+    def solve(
+        self, bound: float, objective, t_cap=np.inf, h_cap=np.inf, relax=False, limit=np.inf
+    ) -> Outcome:
+        """A search to the deadline (or `limit` seconds)."""
+        self.solves += 1
+        problem = self.problem(bound)
+        return problem.solve(objective, t_cap, h_cap, min(limit, self.left()), relax)
+
+    def find(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
+        """Any solution under the caps (to the deadline)."""
+        self.solves += 1
+        return self.problem(bound).find(t_cap, h_cap, self.left())
+
+    def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
+        """A short try: "infeasible" is a proof; anything else only says it was not refuted.
+        The time allowed follows how long proofs take here (3x the slowest, within bounds)."""
+        self.solves += 1
+        problem = self.problem(bound)
+        start = time.perf_counter()
+        o = problem.solve("T", t_cap, h_cap, min(self.refute_s, self.left()))
+        if o.status == "infeasible":
+            took = 3 * (time.perf_counter() - start)
+            self.refute_s = min(REFUTE_S[1], max(self.refute_s, took))
+        return o
+
+    def latency(self, paths: list[np.ndarray]) -> float:
+        return max(float(ch.latency(p).max()) for ch, p in zip(self.classes, paths, strict=True))
+
+
+class _TooBig(Exception):
+    """A class has more distinct completion latencies than MAX_SUFFIXES."""
+
+
+def _gap(value: float, bound: float) -> float:
+    if value <= bound * (1 + 4 * REL_TOL) + 1e-12:
+        return 0.0
+    return float((value - bound) / value) if value > 0 else 0.0
+
+
+def _min_h(s: _Search, bound: float, t_cap: float) -> _Stage:
+    """Least host CPU: a linear objective, which HiGHS proves directly."""
+    o = s.solve(bound, "H", t_cap=t_cap)
+    if o.paths is None:
+        return _Stage(
+            None, np.inf, 0.0 if o.status == "infeasible" else np.inf, o.status == "infeasible"
+        )
+    return _Stage(o, o.h, 0.0 if o.status == "optimal" else _gap(o.h, max(0.0, o.bound)))
+
+
+def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
+    """Least busiest-resource load (see the module docstring)."""
+    o = s.solve(bound, "T", t_cap, h_cap, limit=DIRECT_S)  # small problems end here
+    if o.status == "infeasible":
+        return _Stage(None, np.inf, 0.0, True)
+    if o.status == "optimal":
+        return _Stage(o, o.t, 0.0)
+    best = o if o.paths is not None else None
+    lo = o.bound
+    if not np.isfinite(lo):
+        lp = s.solve(bound, "T", t_cap, h_cap, relax=True)
+        if lp.status == "infeasible":
+            return _Stage(None, np.inf, 0.0, True)
+        lo = lp.bound  # a cap at lo or under is infeasible
+    while s.left() > 0:
+        if best is not None:
+            if best.t <= lo * (1 + 4 * REL_TOL) + 1e-12:
+                return _Stage(best, best.t, 0.0)
+            o = s.refute(bound, best.t * BELOW, h_cap)  # is anything better?
+            if o.status in ("infeasible", "optimal"):
+                return _Stage(o if o.paths is not None else best, min(o.t, best.t), 0.0)
+            if o.paths is not None:
+                best = o
+                continue
+        hi = best.t * BELOW if best is not None else np.inf
+        step = 0.005
+        while hi > lo * (1 + NARROW) and s.left() > 0:  # find a cap not refuted quickly
+            cap = min((lo + hi) / 2 if np.isfinite(hi) else lo * (1 + step), t_cap)
+            o = s.refute(bound, cap, h_cap)
+            if o.status == "optimal":  # the least under a cap above it is the least
+                return _Stage(o, o.t, 0.0)
+            if o.status == "infeasible":
+                if cap >= t_cap:
+                    return _Stage(best, best.t, 0.0) if best else _Stage(None, np.inf, 0.0, True)
+                lo, step = cap, step * 2
+            elif o.paths is not None and (best is None or o.t < best.t):
+                best, hi = o, o.t * BELOW
+            else:
+                hi = cap
+        if best is not None and best.t <= hi * (1 + REL_TOL):
+            continue  # what was found is already as low as the search would go
+        o = s.find(bound, min(t_cap, hi * (1 + REL_TOL)), h_cap)  # a packing up to hi
+        if o.status == "infeasible":
+            lo = hi
+        elif o.paths is not None:
+            best = o
+        else:
+            break
+    if best is None:
+        return _Stage(None, np.inf, np.inf)
+    return _Stage(best, best.t, _gap(best.t, lo))
+
+
+def _min_latency(
+    s: _Search, t_cap: float, h_cap: float, cap: float, start: Outcome | None
+) -> _Stage:
+    """Least latency: the answer is one of the latencies a path can have, at least the least
+    every class needs; bisect them with quick refutations, search the lowest not refuted."""
+    cands = np.unique(np.concatenate([np.maximum(0.0, x[0]) for x in s.suffixes()]))
+    floor = max(float(np.maximum(0.0, x[0][0])) for x in s.suffixes())
+    cands = cands[(cands >= floor) & (cands <= cap * (1 + REL_TOL))]
+    best, best_l = None, np.inf
+
+    def index(lat: float) -> int:  # the candidate a found latency is
+        return int(np.searchsorted(cands, lat * (1 + REL_TOL), side="right")) - 1
+
+    if start is not None and start.paths is not None:
+        best, best_l = start, s.latency(start.paths)
+    lo = 0  # candidates under lo are refuted
+    first = True
+    while s.left() > 0:
+        top = index(best_l) - 1 if best is not None else len(cands) - 1  # would improve on best
+        if lo > top:
+            break
+        hi = top
+        while hi > lo and s.left() > 0:  # the lowest candidate not refuted quickly
+            mid = lo if first else (lo + hi) // 2
+            first = False
+            o = s.refute(float(cands[mid]), t_cap, h_cap)
+            if o.status == "infeasible":
+                lo = mid + 1
+            elif o.paths is not None:
+                best, best_l = o, s.latency(o.paths)
+                hi = min(hi, index(best_l) - 1)
+            else:
+                hi = mid
+        if lo > hi:
+            continue
+        o = s.find(float(cands[hi]), t_cap, h_cap)
+        if o.status == "infeasible":
+            lo = hi + 1
+        elif o.paths is not None:
+            best, best_l = o, s.latency(o.paths)
+        else:
+            break
+    if best is None:
+        done = lo >= len(cands)
+        return _Stage(None, np.inf, 0.0 if done else np.inf, done)
+    top = index(best_l) - 1
+    return _Stage(best, best_l, 0.0 if lo > top else _gap(best_l, float(cands[lo])))
+
+
+def solve_parallel(
+    model,
+    goal: Goal,
+    classes: list[Chains],
+    time_limit: float = 60.0,
+    differ: list[np.ndarray] | None = None,
+) -> Result | None:
+    """The lexicographically best placement (see evaluate.best_row), or None when a class has
+    too many distinct latencies to search (the caller then uses the per-node MILP)."""
+    s = _Search(model, classes, time.perf_counter() + time_limit, differ)
+    cap_t, cap_l = goal.max_load_ms, goal.latency_cap
+    try:
+        if goal.objective == "throughput":
+            first = _min_t(s, cap_l, cap_t, np.inf)
+            if first.best is None:
+                return _none(first, s)
+            t_star = first.value * (1 + REL_TOL) + 1e-12
+            second = _min_latency(s, min(cap_t, t_star), np.inf, cap_l, first.best)
+        elif goal.objective == "latency":
+            first = _min_latency(s, cap_t, np.inf, cap_l, None)
+            if first.best is None:
+                return _none(first, s)
+            second = _min_t(s, first.value, cap_t, np.inf)
+        else:
+            first = _min_h(s, cap_l, cap_t)
+            if first.best is None:
+                return _none(first, s)
+            h_star = first.value * (1 + REL_TOL) + 1e-12
+            second = _min_t(s, cap_l, cap_t, h_star)
+    except _TooBig:
+        return None
+    best = second.best if second.best is not None else first.best
+    status = "optimal" if first.gap == 0 else "feasible"
+    placed = placement(model, classes, best.paths)
+    return Result(placed, status, first.gap, s.solves, second.gap)
+
+
+def _none(first: _Stage, s: _Search) -> Result:
+    status = "infeasible" if first.infeasible else "failed: time limit"
+    return Result(None, status, first.gap, s.solves)
