@@ -93,6 +93,22 @@ class _Task:
     release: Callable[[], None] | None = None
 
 
+def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:
+    """A plan as [a leading DPU stage], host CPU stages, [a trailing GPU stage]: the shapes this
+    runtime runs; DeviceError for any other."""
+    stages = list(plan.stages)
+    lead = stages.pop(0) if stages[0].kind == "dpu" else None
+    tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
+    for s in stages:
+        if s.kind != "cpu":
+            raise DeviceError(
+                f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
+                "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
+                "with a topology without it"
+            )
+    return lead, stages, tail
+
+
 class Executor:
     """Runs a plan. Use as a context manager; `stream(items)` yields Batches in order.
 
@@ -111,16 +127,7 @@ class Executor:
         gpu_stage: Any = None,
     ) -> None:
         plan.check_matches(pipeline)
-        stages = list(plan.stages)
-        lead = stages.pop(0) if stages[0].kind == "dpu" else None
-        tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
-        for s in stages:
-            if s.kind != "cpu":
-                raise DeviceError(
-                    f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
-                    "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
-                    "with a topology without it"
-                )
+        lead, stages, tail = split_stages(plan)
         if lead is not None and front is None:
             raise DeviceError(f"stage '{lead.name}' needs a DPU agent for '{lead.device}'")
         self.pipeline, self.plan, self.front = pipeline, plan, front

@@ -148,3 +148,23 @@ def test_importing_the_registry_imports_no_gpu_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_runs_plan_for_the_autodetected_gpu_with_its_profile(monkeypatch):
+    from nicoffload import runner, topology
+
+    monkeypatch.setattr(topology, "_cuda_gpu_name", lambda: "NVIDIA H200")
+    prep = runner.prepare("pipelines/resnet50.yaml")
+    assert prep.topology.device("gpu0").profile.endswith("h200.json")
+    assert prep.plan.stages[-1].kind == "gpu"
+
+
+def test_a_plan_that_leaves_the_gpu_for_the_host_is_replanned_without_it(monkeypatch, capsys):
+    from nicoffload import runner, topology
+
+    monkeypatch.setattr(topology, "_cuda_gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(runner, "_runnable", lambda plan: False)
+    prep = runner.prepare("pipelines/resnet50.yaml")
+    assert "gpu0" not in prep.topology.ids
+    assert "gpu" not in {s.kind for s in prep.plan.stages}
+    assert "planning without the GPU" in capsys.readouterr().err
