@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# make test-arm: the DPU agent and its kernels on aarch64, under QEMU user-mode emulation.
+#
+# Builds (once; cached outside the repository, keyed by the dependency set and the build recipe)
+# a Debian bookworm arm64 root filesystem with the agent's dependencies, then for each pinned CPU
+# model (QEMU_CPU; none of them has SVE, which the real cores lack): checks what the emulated CPU
+# exposes, runs the agent's unit tests and every CPU kernel's contract test inside it, and runs a
+# split pipeline whose DPU stage is served by an aarch64 agent in the chroot while the host side
+# runs natively, over TCP on loopback, checking the outputs equal the all-host run's bit for bit.
+#
+# The chroot gets a copy of the sources (the repository is never written) and a throwaway numba
+# cache (NUMBA_CACHE_DIR, deleted at exit): code compiled under emulation never leaves it.
+# Needs root (debootstrap, chroot, mount); installs its apt packages when missing.
+# Env: TEST_ARM_CPUS (default "cortex-a72 cortex-a76"), XDG_CACHE_HOME, DEBIAN_MIRROR.
+set -euo pipefail
+{ # parsed whole before it runs: editing this file mid-run cannot derail it
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+py=${PYTHON:-$repo/.venv/bin/python}
+cpus=${TEST_ARM_CPUS:-cortex-a72 cortex-a76}
+t0=$SECONDS
+
+if [ "$(id -u)" != 0 ]; then
+  echo "test-arm: needs root (debootstrap, chroot, binfmt_misc); run it as root or in CI" >&2
+  exit 1
+fi
+
+missing=""
+for p in debootstrap qemu-user-static binfmt-support zstd; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  echo "test-arm: installing$missing" >&2
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+    --no-install-recommends $missing >/dev/null
+fi
+
+# A plain `chroot` runs arm64 binaries once qemu-aarch64 is registered with binfmt_misc (flag F:
+# the interpreter is opened now, so it need not exist inside the root filesystem).
+binfmt=/proc/sys/fs/binfmt_misc
+mountpoint -q $binfmt || mount -t binfmt_misc binfmt_misc $binfmt
+[ -e $binfmt/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+grep -q '^enabled' $binfmt/qemu-aarch64 && grep -q '^flags:.*F' $binfmt/qemu-aarch64 || {
+  echo "test-arm: qemu-aarch64 is not registered with binfmt_misc (flag F)" >&2
+  exit 1
+}
+
+# Two caches outside the repository: the debootstrapped base (minutes to build, keyed by its
+# recipe) and the root filesystem with the dependency set (seconds from the base, keyed by the set).
+cachedir=${XDG_CACHE_HOME:-$HOME/.cache}/nicoffload
+base=$cachedir/arm64-base-$(sha256sum <"$here/build-base.sh" | cut -c1-16).tar.zst
+key=$(cat "$here/build-base.sh" "$here/build-rootfs.sh" "$repo/dpu_agents/requirements-dpu.txt" \
+  "$here/requirements-test.txt" | sha256sum | cut -c1-16)
+cache=$cachedir/arm64-$key.tar.zst
+mkdir -p "$cachedir"
+(
+  flock 9 # two runs at once build it once
+  [ -f "$base" ] || "$here/build-base.sh" "$base"
+  if [ ! -f "$cache" ]; then
+    PIP="$(dirname "$py")/pip" "$here/build-rootfs.sh" "$base" "$cache"
+    find "$cachedir" -maxdepth 1 -name 'arm64-*.tar.zst' ! -name 'arm64-base-*' \
+      ! -path "$cache" -delete # superseded dependency sets
+  fi
+) 9>"$cachedir/arm64.lock"
+
+work=$(mktemp -d /var/tmp/nicoffload-arm.XXXXXX)
+root=$work/rootfs
+cleanup() {
+  for m in "$root/dev/shm" "$root/proc"; do
+    mountpoint -q "$m" 2>/dev/null && { umount "$m" 2>/dev/null || umount -l "$m"; }
+  done
+  rm -rf --one-file-system "$work"
+}
+trap cleanup EXIT
+mkdir -p "$root"
+zstd -q -dc "$cache" | tar -C "$root" -xf -
+mount -t proc proc "$root/proc"            # numba reads /proc/cpuinfo; multiprocessing, /proc/self
+mkdir -p "$root/dev/shm" && mount -t tmpfs -o size=512m tmpfs "$root/dev/shm"
+mkdir -p "$root/src"
+tar -C "$repo" -cf - --exclude=__pycache__ --exclude='*.nbi' --exclude='*.nbc' \
+  pyproject.toml nicoffload dpu_agents pipelines tests/conftest.py tests/kernel_contract.py \
+  tests/unit tests/arm | tar -C "$root/src" -xf -
+echo "test-arm: root filesystem ready ($((SECONDS - t0)) s)" >&2
+
+# Inside the chroot: nothing from the host's environment but what is listed here. /proc/cpuinfo
+# is the host's, so LLVM would see a "generic" Arm CPU: NUMBA_CPU_NAME makes numba compile for the
+# emulated model, as it does on a real DPU, where LLVM detects the core.
+inside() { # CPU NUMBA_DIR COMMAND...
+  local cpu=$1 numba=$2
+  shift 2
+  QEMU_CPU=$cpu chroot "$root" /usr/bin/env -i QEMU_CPU="$cpu" PATH=/opt/venv/bin:/usr/bin:/bin \
+    HOME=/tmp LANG=C.UTF-8 PYTHONPATH=/src PYTHONDONTWRITEBYTECODE=1 NUMBA_CACHE_DIR="$numba" \
+    NUMBA_CPU_NAME="$cpu" \
+    /bin/sh -c 'cd /src && exec "$@"' sh "$@"
+}
+
+for cpu in $cpus; do
+  t=$SECONDS
+  echo "== test-arm: QEMU_CPU=$cpu" >&2
+  inside "$cpu" "/tmp/numba-$cpu" python tests/arm/probe.py
+  inside "$cpu" "/tmp/numba-$cpu" python -m pytest -q -p no:cacheprovider -x \
+    tests/unit/test_agent_auth.py tests/unit/test_agent_config.py tests/unit/test_agent_stage.py \
+    tests/unit/test_kernels_contract.py
+  # The agent's numba cache for the split run is its own, also thrown away.
+  (cd "$repo" && QEMU_CPU=$cpu "$py" "$here/split_run.py" --root "$root" --cpu "$cpu")
+  echo "== test-arm: QEMU_CPU=$cpu passed in $((SECONDS - t)) s" >&2
+done
+echo "test-arm: passed in $((SECONDS - t0)) s" >&2
+exit 0
+}

@@ -1,0 +1,115 @@
+"""The end-to-end check of `make test-arm`: a split run whose DPU stage is served by an aarch64
+agent (emulated, in the arm64 chroot, listening on loopback) while this native x86 process runs the
+host side, over TCP; its outputs must equal the all-host run's bit for bit.
+
+    python tests/arm/split_run.py --root ROOTFS --cpu cortex-a72     (as root, from the repository)
+
+The plan and topology are those of tests/integration/test_split_run.py: decode, resize and crop on
+dpu0 (the agent's address), normalize on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+
+from test_split_run import PIPELINE, split_plan, topology_for  # noqa: E402
+
+import nicoffload  # noqa: E402
+from dpu_agents import auth  # noqa: E402
+from dpu_agents.local import LocalAgent  # noqa: E402
+from nicoffload.planner.plan import Plan, single_device_plan  # noqa: E402
+from nicoffload.samples import sample_images  # noqa: E402
+
+ITEMS = 80  # more than one batch (64): at least two transfers; emulated decode is slow
+START_TIMEOUT = 180.0  # importing numpy, numba and the agent under emulation
+
+
+def agent_prefix(root: Path, cpu: str) -> list[str]:
+    """Run LocalAgent's command in the chroot: the chroot's python takes the place of ours."""
+    env = [
+        f"QEMU_CPU={cpu}",
+        "PATH=/opt/venv/bin:/usr/bin:/bin",
+        "HOME=/tmp",
+        "LANG=C.UTF-8",
+        "PYTHONPATH=/src",
+        "PYTHONDONTWRITEBYTECODE=1",
+        f"NUMBA_CACHE_DIR=/tmp/numba-agent-{cpu}",
+        f"NUMBA_CPU_NAME={cpu}",
+    ]
+    script = 'cd /src && shift && exec python "$@"'  # $1 is the host's sys.executable
+    return ["chroot", str(root), "/usr/bin/env", "-i", *env, "/bin/sh", "-c", script, "sh"]
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", type=Path, required=True, help="the arm64 root filesystem")
+    ap.add_argument("--cpu", required=True, help="the QEMU_CPU model the agent runs under")
+    args = ap.parse_args()
+    os.environ["QEMU_CPU"] = args.cpu  # read by qemu-aarch64 at each exec in the chroot
+
+    images = [b for _, b in sample_images(ITEMS, seed=7)]
+    host = nicoffload.run(
+        PIPELINE, images, plan=Plan.from_json(single_device_plan(PIPELINE, "cpu").to_json())
+    )
+    assert host.ok.all(), host.failures
+
+    token = args.root / "tmp" / "agent.token"  # /tmp/agent.token inside the chroot
+    auth.write_token(token)
+    log = args.root / "tmp" / f"agent-{args.cpu}.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as err:
+        try:
+            with LocalAgent(
+                "/tmp/agent.token",
+                cores=1,
+                prefix=agent_prefix(args.root, args.cpu),
+                stderr=err.fileno(),
+                start_timeout=START_TIMEOUT,
+            ) as agent:
+                exe = os.readlink(f"/proc/{agent.pid}/exe")
+                assert "qemu" in exe, f"the agent is not emulated: /proc/{agent.pid}/exe -> {exe}"
+                started = time.perf_counter() - t0
+                result = nicoffload.run(
+                    PIPELINE,
+                    images,
+                    plan=split_plan(),
+                    topology=topology_for(agent),
+                    token_file=token,
+                )
+        except BaseException:
+            sys.stderr.write(log.read_text(errors="replace")[-4000:])
+            raise
+    assert result.stats.failover is None, (
+        f"the run failed over to the host: {result.stats.failover}"
+    )
+    assert result.ok.all(), result.failures
+    doc = result.stats.to_json()
+    (transfer,) = doc["transfers"].values()
+    assert doc["stages"]["s0-dpu0"]["device"] == "dpu0" and transfer["batches"] >= 2, doc
+    want, got = host.outputs["pixels"], result.outputs["pixels"]
+    assert same_bits(got, want), (
+        f"split run differs from the all-host run: {int((got != want).sum())} elements"
+    )
+    print(
+        f"split run, agent aarch64 ({args.cpu}, {exe}) -> host x86_64 over tcp: "
+        f"{ITEMS} items, {transfer['batches']} batches, {got.dtype}{list(got.shape)} bit-exact; "
+        f"agent started in {started:.1f} s, run {result.stats.wall_s:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
