@@ -38,7 +38,7 @@ def main() -> None:
     assert "+sve" not in llvm_features.split(","), f"numba would target SVE: {llvm_features}"
     cache = os.environ["NUMBA_CACHE_DIR"]
     assert cache.startswith("/tmp/") and cache == numba.config.CACHE_DIR, numba.config.CACHE_DIR
-    assert numba.config.CPU_NAME == cpu, f"numba compiles for {numba.config.CPU_NAME}, not {cpu}"
+    assert cpu == numba.config.CPU_NAME, f"numba compiles for {numba.config.CPU_NAME}, not {cpu}"
 
     present = [m for m in HOST_ONLY if importlib.util.find_spec(m) is not None]
     assert not present, f"host-only packages in the DPU set: {present}"
