@@ -56,8 +56,10 @@ def test_tokenize_equals_the_tokenizers_library_exactly():
 
 def test_items_come_back_in_order_across_batches_and_workers(tmp_path):
     texts = [f"item number {i}" for i in range(103)]
-    result = nicoffload.run(pipeline_file(tmp_path, max_size=4), texts, workers=2)
-    single = nicoffload.run(pipeline_file(tmp_path, max_size=4), texts, workers=1)
+    # a wait far longer than the run: batches close only when full, however loaded the machine
+    path = pipeline_file(tmp_path, max_size=4, max_wait_ms=60_000)
+    result = nicoffload.run(path, texts, workers=2)
+    single = nicoffload.run(path, texts, workers=1)
     assert result.names == [str(i) for i in range(103)]
     assert result.stats.batches == 26
     np.testing.assert_array_equal(result.outputs["ids"], single.outputs["ids"])
