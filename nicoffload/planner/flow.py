@@ -48,7 +48,8 @@ def highs_quiet() -> Iterator[None]:
 
 @dataclass
 class Outcome:
-    status: str  # optimal | feasible (stopped at a limit) | infeasible | unknown | relaxed
+    status: str  # optimal | feasible (at a limit) | found (no objective) | infeasible | unknown
+    # | relaxed (the LP)
     paths: list[np.ndarray] | None  # per class, (copies, length + 1) chain arcs
     value: float  # the objective of the solution (the LP's for `relaxed`)
     bound: float  # proven lower bound of the objective (-inf when none)
@@ -258,7 +259,9 @@ class FlowProblem:
         h = float((work[:D] * self.model.divisor[:D])[self.model.host].sum())
         value = {"T": t, "H": h, None: 0.0}[objective]
         optimal = res.status == 0
-        if optimal and objective is not None:
+        if objective is None:
+            return Outcome("found", self.paths(x), value, bound, t, h)
+        if optimal:
             bound = value
         return Outcome("optimal" if optimal else "feasible", self.paths(x), value, bound, t, h)
 

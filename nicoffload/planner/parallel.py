@@ -3,9 +3,10 @@
 For a min-max load HiGHS refutes a cap below the optimum in milliseconds (a resource's capacity
 bounds its integer counts: three decodes fit on this DPU, not four), while the search for a
 packing that meets the optimum takes far longer, and longer still when it must also prove it.
-So a load stage raises a proven lower bound with short refutations, searches for a packing
-just above it, and proves what it found by refuting just below. A latency stage searches the
-latencies paths can have, each probe a flow problem bucketed at that bound. Every answer is
+So a load stage raises a proven lower bound with short tries, searches for a packing just
+above it, and proves what it found by refuting just below. A latency stage does the same over
+the latencies paths can have, each probe a flow problem bucketed at that bound. Tries and
+searches solve the counts first with the arcs fractional (FlowProblem.find). Every answer is
 proven optimal (within REL_TOL) or comes back with the gap that is left.
 """
 
@@ -21,7 +22,7 @@ from nicoffload.planner.evaluate import REL_TOL, Goal
 from nicoffload.planner.flow import FlowProblem, Outcome, placement
 
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
-NARROW = 1e-3  # quick refutations narrow a load bound to this before a search
+NARROW = 1e-3  # quick refutations narrow a load bound to this before a long search
 REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
 DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
 
@@ -86,12 +87,12 @@ class _Search:
         return self.problem(bound).find(t_cap, h_cap, self.left())
 
     def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
-        """A short try: "infeasible" is a proof; anything else only says it was not refuted.
+        """A short try: "infeasible" is a proof, "found" a solution; "unknown" says nothing.
         The time allowed follows how long proofs take here (3x the slowest, within bounds)."""
         self.solves += 1
         problem = self.problem(bound)
         start = time.perf_counter()
-        o = problem.solve("T", t_cap, h_cap, min(self.refute_s, self.left()))
+        o = problem.find(t_cap, h_cap, min(self.refute_s, self.left()))
         if o.status == "infeasible":
             took = 3 * (time.perf_counter() - start)
             self.refute_s = min(REFUTE_S[1], max(self.refute_s, took))
@@ -135,34 +136,33 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
         if lp.status == "infeasible":
             return _Stage(None, np.inf, 0.0, True)
         lo = lp.bound  # a cap at lo or under is infeasible
+    hard: list[float] = []  # caps a quick try could not refute: higher ones are no easier
     while s.left() > 0:
-        if best is not None:
-            if best.t <= lo * (1 + 4 * REL_TOL) + 1e-12:
-                return _Stage(best, best.t, 0.0)
-            o = s.refute(bound, best.t * BELOW, h_cap)  # is anything better?
-            if o.status in ("infeasible", "optimal"):
-                return _Stage(o if o.paths is not None else best, min(o.t, best.t), 0.0)
-            if o.paths is not None:
-                best = o
-                continue
-        hi = best.t * BELOW if best is not None else np.inf
+        top = min(t_cap, best.t * BELOW) if best is not None else t_cap
+        if best is not None and best.t <= lo * (1 + 4 * REL_TOL) + 1e-12:
+            return _Stage(best, best.t, 0.0)
+        if top <= lo:
+            break
+        hi = min([top, *(h for h in hard if h > lo)])
+        if best is not None and hi == top and top not in hard:  # is anything better?
+            hi = _probe_t(s, bound, top, h_cap, hard)
         step = 0.005
-        while hi > lo * (1 + NARROW) and s.left() > 0:  # find a cap not refuted quickly
-            cap = min((lo + hi) / 2 if np.isfinite(hi) else lo * (1 + step), t_cap)
-            o = s.refute(bound, cap, h_cap)
-            if o.status == "optimal":  # the least under a cap above it is the least
-                return _Stage(o, o.t, 0.0)
-            if o.status == "infeasible":
-                if cap >= t_cap:
-                    return _Stage(best, best.t, 0.0) if best else _Stage(None, np.inf, 0.0, True)
+        while isinstance(hi, float) and hi > lo * (1 + NARROW) and s.left() > 0:
+            cap = (lo + hi) / 2 if np.isfinite(hi) else lo * (1 + step)
+            got = _probe_t(s, bound, cap, h_cap, hard)
+            if got is None:
                 lo, step = cap, step * 2
-            elif o.paths is not None and (best is None or o.t < best.t):
-                best, hi = o, o.t * BELOW
+            elif isinstance(got, Outcome):
+                hi = got
             else:
                 hi = cap
-        if best is not None and best.t <= hi * (1 + REL_TOL):
-            continue  # what was found is already as low as the search would go
-        o = s.find(bound, min(t_cap, hi * (1 + REL_TOL)), h_cap)  # a packing up to hi
+        if isinstance(hi, Outcome):  # found a better packing
+            best = hi
+            continue
+        if hi is None:
+            lo = top
+            continue
+        o = s.find(bound, hi, h_cap)  # a packing up to hi, however long it takes
         if o.status == "infeasible":
             lo = hi
         elif o.paths is not None:
@@ -172,6 +172,17 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
     if best is None:
         return _Stage(None, np.inf, np.inf)
     return _Stage(best, best.t, _gap(best.t, lo))
+
+
+def _probe_t(s: _Search, bound: float, cap: float, h_cap: float, hard: list[float]):
+    """None: refuted; an Outcome: a packing under the cap; the cap: not refuted in time."""
+    o = s.refute(bound, cap, h_cap)
+    if o.status == "infeasible":
+        return None
+    if o.paths is not None:
+        return o
+    hard.append(cap)
+    return cap
 
 
 def _min_latency(
@@ -190,15 +201,14 @@ def _min_latency(
     if start is not None and start.paths is not None:
         best, best_l = start, s.latency(start.paths)
     lo = 0  # candidates under lo are refuted
-    first = True
+    hard: set[int] = set()  # candidates a quick try could not refute
+    mid = 0  # the least a class needs is tried first: without a load cap it is the answer
     while s.left() > 0:
         top = index(best_l) - 1 if best is not None else len(cands) - 1  # would improve on best
         if lo > top:
             break
-        hi = top
+        hi = min([top, *(h for h in hard if h >= lo)])
         while hi > lo and s.left() > 0:  # the lowest candidate not refuted quickly
-            mid = lo if first else (lo + hi) // 2
-            first = False
             o = s.refute(float(cands[mid]), t_cap, h_cap)
             if o.status == "infeasible":
                 lo = mid + 1
@@ -206,16 +216,19 @@ def _min_latency(
                 best, best_l = o, s.latency(o.paths)
                 hi = min(hi, index(best_l) - 1)
             else:
+                hard.add(mid)
                 hi = mid
+            mid = (lo + hi) // 2
         if lo > hi:
             continue
-        o = s.find(float(cands[hi]), t_cap, h_cap)
+        o = s.find(float(cands[hi]), t_cap, h_cap)  # however long it takes
         if o.status == "infeasible":
             lo = hi + 1
         elif o.paths is not None:
             best, best_l = o, s.latency(o.paths)
         else:
             break
+        mid = lo
     if best is None:
         done = lo >= len(cands)
         return _Stage(None, np.inf, 0.0 if done else np.inf, done)
