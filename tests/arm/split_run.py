@@ -29,7 +29,7 @@ from dpu_agents.local import LocalAgent  # noqa: E402
 from nicoffload.planner.plan import Plan, single_device_plan  # noqa: E402
 from nicoffload.samples import sample_images  # noqa: E402
 
-ITEMS = 80  # more than one batch (64): at least two transfers; emulated decode is slow
+ITEMS = 72  # more than one batch (64): at least two transfers; emulated decode is slow
 START_TIMEOUT = 180.0  # importing numpy, numba and the agent under emulation
 
 
@@ -42,7 +42,7 @@ def agent_prefix(root: Path, cpu: str) -> list[str]:
         "LANG=C.UTF-8",
         "PYTHONPATH=/src",
         "PYTHONDONTWRITEBYTECODE=1",
-        f"NUMBA_CACHE_DIR=/tmp/numba-agent-{cpu}",
+        f"NUMBA_CACHE_DIR=/tmp/numba-{cpu}",  # the throwaway cache the chroot's tests filled
         f"NUMBA_CPU_NAME={cpu}",
     ]
     script = 'cd /src && shift && exec python "$@"'  # $1 is the host's sys.executable
@@ -66,14 +66,15 @@ def main() -> int:
     )
     assert host.ok.all(), host.failures
 
-    token = args.root / "tmp" / "agent.token"  # /tmp/agent.token inside the chroot
+    inner = f"/tmp/agent-{args.cpu}.token"  # the models run at once, each with its own agent
+    token = args.root / inner.lstrip("/")
     auth.write_token(token)
     log = args.root / "tmp" / f"agent-{args.cpu}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as err:
         try:
             with LocalAgent(
-                "/tmp/agent.token",
+                inner,
                 cores=1,
                 prefix=agent_prefix(args.root, args.cpu),
                 stderr=err.fileno(),
