@@ -186,6 +186,23 @@ def solve_milp(
     A DAG of parallel chains is solved by branch classes (parallel.py); any other DAG by the
     per-node program below. `time_limit` is for the whole call.
     """
+    allowed = model.allowed if allowed is None else allowed & model.allowed
+    if not allowed.any(axis=1).all():
+        return MilpResult(None, "infeasible", 0.0, 0)
+    fast = _solve_branches(model, goal, allowed, exclude, time_limit)
+    if fast is not None:
+        return fast
+    return solve_nodes(model, goal, allowed, exclude, time_limit)
+
+
+def solve_nodes(
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray | None = None,
+    exclude: np.ndarray | None = None,
+    time_limit: float = 60.0,
+) -> MilpResult:
+    """solve_milp by the per-node program, whatever the DAG's shape."""
     import time
 
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -197,9 +214,6 @@ def solve_milp(
     if not allowed.any(axis=1).all():
         return MilpResult(None, "infeasible", 0.0, 0)
     deadline = time.perf_counter() + time_limit
-    fast = _solve_branches(model, goal, allowed, exclude, time_limit)
-    if fast is not None:
-        return fast
     b, x, (primary, secondary) = _formulate(model, goal, allowed, exclude)
     data, ri, ci, lo, hi = [], [], [], [], []
     for i, (coefs, a, z) in enumerate(b.rows):

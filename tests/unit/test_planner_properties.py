@@ -17,7 +17,7 @@ from nicoffload.planner.branches import chain_classes
 from nicoffload.planner.cost import CostModel, Group, TensorRef, routes
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, brute_force, evaluate
-from nicoffload.planner.milp import solve_milp
+from nicoffload.planner.milp import solve_milp, solve_nodes
 from nicoffload.planner.solve import solve
 from nicoffload.topology import Device, Link, Topology
 
@@ -241,6 +241,16 @@ def test_the_milp_matches_brute_force(seed: int) -> None:
     model = random_model(seed)
     goal = random_goal(model, seed)
     _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(SEEDS)
+def test_the_per_node_milp_matches_brute_force_on_any_dag(seed: int) -> None:
+    """Chains and parallel chains go to branch classes; the per-node program stays exact on
+    them too (it is the fallback when their latencies are too many to search)."""
+    model = random_model(seed) if seed % 2 else random_branches(seed)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_nodes(model, goal).placement)
 
 
 def _runner_up_is_the_second_best(model: CostModel, goal: Goal) -> None:
