@@ -2,6 +2,7 @@
 verbs: this machine's root shared read-only over 9p, the repository read-write, an `out` folder
 that carries the log and exit status back (QEMU's own exit status does not carry the guest's).
 
+    python tests/rdma/vm.py                     # the RDMA tests (tests/rdma), inside the guest
     python tests/rdma/vm.py [--] COMMAND...     # runs in the repository, inside the guest
 
 The kernel (Debian's linux-image-amd64, extracted, never installed), its modules and the busybox
@@ -34,7 +35,8 @@ APT = [
 MODULES = ["virtio_pci", "9pnet_virtio", "9p", "crc32_generic", "ib_uverbs", "rdma_rxe", "dummy"]
 # rdma_rxe asks the crypto API for "crc32" (its ICRC): without a provider, adding a link is ENOENT
 QBOOT = Path("/usr/share/qemu/qboot.rom")
-GUEST_PYVERBS = "/tmp/pyverbs-path"  # a folder holding only the pyverbs package (a link)
+GUEST_PYVERBS = "/tmp/pyverbs-path"
+PYTEST = ".venv/bin/python -m pytest -q -p no:cacheprovider -rs --durations=8 tests/rdma"  # what make test-rdma runs  # a folder holding only the pyverbs package (a link)
 
 INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -46,6 +48,7 @@ mount -t 9p -o $o work /host@REPO@
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
 mount -t tmpfs tmp /host/tmp; mkdir -p /host/tmp/out /host/dev/shm
 mount -t tmpfs shm /host/dev/shm; mount -t 9p -o trans=virtio,version=9p2000.L out /host/tmp/out
+mkdir -p /host/tmp/numba; mount -t 9p -o trans=virtio,version=9p2000.L numba /host/tmp/numba
 ip link set lo up; ip link show dummy0 >/dev/null 2>&1 || ip link add dummy0 type dummy
 ip link set dummy0 up
 ip addr add 10.77.0.1/24 dev dummy0
@@ -159,6 +162,8 @@ def ensure_initramfs(moddir: Path) -> Path:
     path = CACHE / f"initramfs-{key}.cpio"
     if path.exists():
         return path
+    for old in CACHE.glob("initramfs-*.cpio"):  # built for another kernel or init script
+        old.unlink()
     files: list[tuple[str, int, bytes]] = []  # (path, mode, data); mode 0o040755 for a dir
     for d in ("bin", "dev", "proc", "sys", "lib", "lib/modules", "host", "tmp"):
         files.append((d, 0o040755, b""))
@@ -195,17 +200,36 @@ def cpio(files: list[tuple[str, int, bytes]]) -> bytes:
     return bytes(out)
 
 
+def warm_numba() -> Path:
+    """The guest's numba cache, filled here first (see warm_numba.py): seconds when warm."""
+    numba = CACHE / "numba"
+    numba.mkdir(exist_ok=True)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(numba), "NUMBA_CPU_NAME": "generic"}
+    started = time.monotonic()
+    warm = [sys.executable, str(REPO / "tests" / "rdma" / "warm_numba.py")]
+    subprocess.run(warm, cwd=REPO, env=env, check=True, stdin=subprocess.DEVNULL)
+    log(f"numba kernels for the guest ready in {time.monotonic() - started:.1f} s")
+    return numba
+
+
 def run(command: str, *, timeout: float = 240.0, env: dict[str, str] | None = None) -> int:
     """Run `command` (sh) in the repository inside a fresh guest; its log on stdout; its status."""
     ensure_packages()
     vmlinux, moddir = ensure_kernel()
     initramfs = ensure_initramfs(moddir)
+    for old in CACHE.glob("run-*"):  # left by a run that was killed, an hour ago or more
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
     out = Path(tempfile.mkdtemp(prefix="run-", dir=CACHE))
     guest_env = {
-        "PYTHONPATH": GUEST_PYVERBS,
+        "PYTHONPATH": f"{GUEST_PYVERBS}:{REPO}/tests/rdma/site",
         "HOME": "/tmp",
         "PYTHONDONTWRITEBYTECODE": "1",
         "NICOFFLOAD_IN_RDMA_VM": "1",
+        # The guest's CPU is not this machine's: its numba code is cached apart, outside the
+        # repository, and kept between runs (compiling under TCG takes minutes; loading, not).
+        "NUMBA_CACHE_DIR": "/tmp/numba",
+        "NUMBA_CPU_NAME": "generic",
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         **(env or {}),
     }
@@ -216,6 +240,7 @@ def run(command: str, *, timeout: float = 240.0, env: dict[str, str] | None = No
     )
     (out / "run.sh").write_text(command + "\n")
     serial = out / "serial.log"
+    numba = warm_numba()
     share = "local,security_model=none,id="
     qemu = [
         "qemu-system-x86_64", "-accel", "tcg", "-M", "pc", "-cpu", "max", "-smp", "1",
@@ -226,6 +251,8 @@ def run(command: str, *, timeout: float = 240.0, env: dict[str, str] | None = No
         "-device", "virtio-9p-pci,fsdev=host,mount_tag=host",
         "-fsdev", f"{share}work,path={REPO}",
         "-device", "virtio-9p-pci,fsdev=work,mount_tag=work",
+        "-fsdev", f"{share}numba,path={numba}",
+        "-device", "virtio-9p-pci,fsdev=numba,mount_tag=numba",
         "-fsdev", f"{share}out,path={out}",
         "-device", "virtio-9p-pci,fsdev=out,mount_tag=out",
     ]  # fmt: skip
@@ -262,7 +289,7 @@ def main() -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run(" ".join(command) or "rdma link; ibv_devices", timeout=args.timeout)
+    return run(" ".join(command) or PYTEST, timeout=args.timeout)
 
 
 if __name__ == "__main__":

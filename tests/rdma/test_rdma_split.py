@@ -1,0 +1,75 @@
+"""A pipeline split between a real agent process (its DPU stage) and the host, the agent
+forwarding every batch over rdma:// on real verbs: the outputs equal the all-host run's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nicoffload
+import nicoffload.transport
+from dpu_agents import auth
+from dpu_agents.local import LocalAgent
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.samples import sample_images
+from nicoffload.topology import Device, Link, Topology
+
+PIPELINE = load_pipeline("pipelines/resnet50.yaml")
+SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
+
+
+def images() -> list[bytes]:
+    return [b for _, b in sample_images(48, seed=3)]
+
+
+def host_plan() -> Plan:
+    return single_device_plan(PIPELINE, "cpu")
+
+
+def split_plan() -> Plan:
+    stages, transfers = stages_for(PIPELINE, SPLIT)
+    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="rdma-test")
+
+
+def topology(agent_address: str, transport: str) -> Topology:
+    dpu = Device("dpu0", "dpu", 1, 1.0, address=agent_address)
+    cpu = Device("cpu", "cpu", 1, 1.0)
+    link = Link("dpu0", "cpu", transport, 1e9, 0.0, 0.0)
+    return Topology("rdma-test", (cpu, dpu), (link,), "dpu0", "cpu", source="test")
+
+
+@pytest.fixture
+def rdma_front(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Until the runner opens rdma:// for an rdma link itself, its tcp:// listen becomes rdma://
+    (the same host and port rules): the agent then forwards over verbs."""
+    opened: list[object] = []
+    listen = nicoffload.transport.listen
+
+    def rdma_listen(address: str, **kw: int) -> object:
+        rx = listen(address.replace("tcp://", "rdma://", 1), **kw)
+        opened.append(rx)
+        return rx
+
+    monkeypatch.setattr(nicoffload.transport, "listen", rdma_listen)
+    return opened
+
+
+def test_a_split_run_over_rdma_equals_the_all_host_run(tmp_path, rdma_front) -> None:
+    from nicoffload.transport.rdma import RdmaReceiver
+
+    items = images()
+    host = nicoffload.run(PIPELINE, items, plan=host_plan())
+    assert host.ok.all()
+    token = tmp_path / "agent.token"
+    auth.write_token(token)
+    with LocalAgent(token, cores=1) as agent:
+        result = nicoffload.run(
+            PIPELINE, items, plan=split_plan(), topology=topology(agent.address, "rdma"),
+            token_file=token,
+        )  # fmt: skip
+    assert [type(rx) for rx in rdma_front] == [RdmaReceiver]
+    assert result.ok.all() and result.stats.failover is None
+    np.testing.assert_array_equal(result.outputs["pixels"], host.outputs["pixels"])
+    (transfer,) = result.stats.to_json()["transfers"].values()
+    assert transfer["batches"] >= 1
