@@ -1,13 +1,15 @@
-"""RDMA transport (`rdma://host:port[?device=rxe0]`) on verbs RC queue pairs: the receiver's ring
-is one memory region; the sender RDMA WRITEs a batch into a slot, then WRITE_WITH_IMM puts the
-DATA frame head in the slot's head area with the slot as the immediate; credits come back as
-SEND_WITH_IMM. HELLO/WELCOME/ACK (QPN, PSN, GID, ring address, rkey) and ERROR go over TCP.
+"""RDMA transport (`rdma://host:port[?device=rxe0]`, the receiver's device) on verbs RC queue
+pairs: the receiver's ring is one memory region; the sender RDMA WRITEs a batch into a slot, then
+WRITE_WITH_IMM puts the DATA frame head in the slot's head area, the slot as the immediate;
+credits come back as SEND_WITH_IMM. HELLO/WELCOME/ACK (QPN, PSN, GID, ring address, rkey) and
+ERROR go over a TCP control connection.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 import threading
 import time
@@ -39,6 +41,7 @@ from nicoffload.transport.slots import Delivery, Ledger, Packer, Tensors, Unpack
 from nicoffload.transport.slots import stride as slot_stride
 from nicoffload.transport.stream import HANDSHAKE_TIMEOUT, _expect
 
+DEVICE_ENV = "NICOFFLOAD_RDMA_DEVICE"  # this side's verbs device, when not the first one
 HEAD_BYTES = 4096  # per slot: the DATA frame head (64-byte header + metadata) lands here
 GRACE_S = 0.2  # after the control socket's EOF, completions already on their way still count
 log = logging.getLogger(__name__)
@@ -419,8 +422,8 @@ class RdmaReceiver(Receiver):
 def connect(
     address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
 ) -> RdmaSender:
-    host, port, wanted = parse(address)
-    device = verbs.pick_device(wanted)
+    host, port, _ = parse(address)  # ?device= names the receiver's device, not this side's
+    device = verbs.pick_device(os.environ.get(DEVICE_ENV))
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
@@ -438,7 +441,7 @@ def connect(
 
 def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
     host, port, wanted = parse(address)
-    device = verbs.pick_device(wanted)
+    device = verbs.pick_device(wanted or os.environ.get(DEVICE_ENV))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         listener = socket.create_server((host, port), family=family, backlog=1)
