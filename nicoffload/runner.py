@@ -176,17 +176,27 @@ def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
             "its agent listens (--topology)"
         )
     device = prep.topology.device(first.device)
-    link = next((t.transport for t in prep.plan.transfers if t.src_stage == first.name), "tcp")
     from nicoffload.runtime.remote import open_front as _open
 
     with _open(
         prep.pipeline,
         first,
         device,
-        transport="shm" if link == "shm" else "tcp",
+        transport=_transport(prep, first),
         token_file=prep.token_file,
     ) as front:
         yield front
+
+
+def _transport(prep: Prepared, first: StagePlan) -> str:
+    """The scheme the DPU stage forwards over: the plan's transfer, else the topology's link."""
+    out = next((t for t in prep.plan.transfers if t.src_stage == first.name), None)
+    link = out.transport.split("+")[0] if out is not None else "tcp"
+    if link == "inproc" and out is not None and prep.topology is not None:
+        dst = next(s.device for s in prep.plan.stages if s.name == out.dst_stage)
+        ends = {first.device, dst}
+        link = next((ln.transport for ln in prep.topology.links if {ln.a, ln.b} == ends), "tcp")
+    return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"
 
 
 def _stage_doc(stage: StagePlan, measured: float, steps: dict[str, float] | None) -> dict[str, Any]:

@@ -171,6 +171,16 @@ def open_front(
         -(-batch * s.typical_nbytes * (1 if s.static else 4) // ALIGN) * ALIGN + batch * ALIGN
         for s in specs.values()
     )
+    rdma_device = None
+    if transport == "rdma":  # before any agent starts: no RDMA device is a clear failure
+        from nicoffload.transport import verbs
+
+        try:
+            rdma_device = verbs.pick_device(None)
+        except DeviceError as exc:
+            raise DeviceError(
+                f"{device.id}: the plan moves stage '{stage.name}' outputs over rdma, but {exc}"
+            ) from exc
     with contextlib.ExitStack() as stack:
         if device.emulated:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
@@ -188,11 +198,10 @@ def open_front(
             client = stack.enter_context(AgentClient(address, auth.read_token(token_file)))
         except (AgentError, OSError) as exc:
             raise DeviceError(f"{device.id}: no DPU agent answers at {address}: {exc}") from exc
-        where = (
-            f"shm://nicoffload-{secrets.token_hex(6)}"
-            if transport == "shm"
-            else f"tcp://{client.local_host}:0"
-        )
+        where = {
+            "shm": f"shm://nicoffload-{secrets.token_hex(6)}",
+            "rdma": f"rdma://{client.local_host}:0?device={rdma_device}",
+        }.get(transport, f"tcp://{client.local_host}:0")
         rx = stack.enter_context(listen(where, slots=slots, slot_bytes=slot_bytes))
         client.load(
             Path(pipeline.path).read_text(encoding="utf-8"),

@@ -91,6 +91,7 @@ class Receiver(ABC):
 # scheme -> module defining `connect(address, **kw) -> Sender` and `listen(address, **kw) -> Receiver`
 _SCHEMES: dict[str, str] = {
     "inproc": "nicoffload.transport.inproc",
+    "rdma": "nicoffload.transport.rdma",
     "shm": "nicoffload.transport.shm",
     "tcp": "nicoffload.transport.tcp",
 }

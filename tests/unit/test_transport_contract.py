@@ -365,7 +365,7 @@ def test_connecting_where_nothing_listens_raises(kind: str) -> None:
 
 
 def test_an_unknown_scheme_is_refused_with_the_known_ones() -> None:
-    with pytest.raises(TransportError, match="inproc, shm, tcp"):
+    with pytest.raises(TransportError, match="inproc, rdma, shm, tcp"):
         connect("rdmx://host:1")
 
 
