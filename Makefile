@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # System packages the integration tests use (the agent in its own network namespace).
 SYSDEPS := iproute2 nftables
 
-.PHONY: setup sysdeps run test test-unit test-integration test-gpu bench lint format clean
+.PHONY: setup sysdeps run test test-unit test-integration test-gpu test-rdma test-arm bench bench-rdma lint format clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,25 @@ run: setup
 	$(BIN)/nicoffload plan pipelines/resnet50.yaml
 	$(BIN)/nicoffload run pipelines/resnet50.yaml --sample 200
 
+# Everything CI runs: the Python suites, then RDMA on real verbs (a Soft-RoCE guest, where QEMU
+# can run) and the DPU agent on aarch64 (QEMU user mode, as root).
 test: setup sysdeps
 	$(BIN)/python -m pytest -q tests/unit tests/integration tests/device
+	@if [ -e /dev/kvm ] || command -v qemu-system-x86_64 >/dev/null 2>&1 || [ "$$(id -u)" = 0 ]; then \
+	  $(MAKE) --no-print-directory test-rdma; \
+	else echo "test-rdma skipped: no /dev/kvm, no qemu-system-x86_64, and not root to install it"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory test-arm; \
+	else echo "test-arm skipped: it needs root (debootstrap, chroot, binfmt_misc)"; fi
+
+# RDMA on real verbs: Soft-RoCE in a QEMU guest; kernel, initramfs and numba cache are cached in
+# ~/.cache/nicoffload/rdma-vm.
+test-rdma: setup
+	$(BIN)/python tests/rdma/vm.py
+
+# The DPU agent and its kernels on aarch64 under QEMU user mode (cortex-a72 and cortex-a76); the
+# arm64 root filesystem is cached in ~/.cache/nicoffload, keyed by the DPU dependency set.
+test-arm: setup
+	bash tests/arm/run.sh
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
@@ -52,6 +69,12 @@ test-gpu: setup
 
 bench: setup
 	$(BIN)/python bench/bench_cpu.py
+	$(BIN)/python bench/bench_transport.py
+	$(BIN)/python bench/bench_planner.py
+	$(BIN)/python bench/bench_prediction.py
+
+bench-rdma: setup
+	$(BIN)/python bench/bench_rdma.py
 
 lint: setup
 	$(BIN)/ruff check .
