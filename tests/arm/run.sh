@@ -8,8 +8,9 @@
 # split pipeline whose DPU stage is served by an aarch64 agent in the chroot while the host side
 # runs natively, over TCP on loopback, checking the outputs equal the all-host run's bit for bit.
 #
-# The chroot gets a copy of the sources (the repository is never written) and a throwaway numba
-# cache (NUMBA_CACHE_DIR, deleted at exit): code compiled under emulation never leaves it.
+# The chroot gets a copy of the sources (the repository is never written) and, per CPU model, a
+# numba cache kept in ~/.cache/nicoffload keyed by the sources' content: code compiled under
+# emulation is only ever loaded again by this harness, never shipped or used on real hardware.
 # Needs root (debootstrap, chroot, mount); installs its apt packages when missing.
 # Env: TEST_ARM_CPUS (default "cortex-a72 cortex-a76"), TEST_ARM_PYTHON (the host side's python),
 # XDG_CACHE_HOME, DEBIAN_MIRROR.
@@ -68,7 +69,7 @@ mkdir -p "$cachedir"
 work=$(mktemp -d /var/tmp/nicoffload-arm.XXXXXX)
 root=$work/rootfs
 cleanup() {
-  for m in "$root/dev/shm" "$root/proc"; do
+  for m in "$root"/tmp/numba-* "$root/dev/shm" "$root/proc"; do
     mountpoint -q "$m" 2>/dev/null && { umount "$m" 2>/dev/null || umount -l "$m"; }
   done
   rm -rf --one-file-system "$work"
@@ -79,9 +80,22 @@ zstd -q -dc "$cache" | tar -C "$root" -xf -
 mount -t proc proc "$root/proc"            # numba reads /proc/cpuinfo; multiprocessing, /proc/self
 mkdir -p "$root/dev/shm" && mount -t tmpfs -o size=512m tmpfs "$root/dev/shm"
 mkdir -p "$root/src"
-tar -C "$repo" -cf - --exclude=__pycache__ --exclude='*.nbi' --exclude='*.nbc' \
+# The sources go in with one fixed mtime, and each model's numba cache (kept outside the
+# repository between runs, used only inside this chroot, never shipped) is keyed by the sources'
+# content: numba's own staleness check (mtime and size) then cannot be fooled by a fresh clone,
+# and a changed source gets a fresh cache.
+tar -C "$repo" -cf "$work/src.tar" --sort=name --mtime='2000-01-01 00:00Z' --owner=0 --group=0 \
+  --exclude=__pycache__ --exclude='*.nbi' --exclude='*.nbc' \
   pyproject.toml nicoffload dpu_agents pipelines tests/conftest.py tests/kernel_contract.py \
-  tests/unit tests/arm | tar -C "$root/src" -xf -
+  tests/unit tests/arm
+tar -C "$root/src" -xf "$work/src.tar"
+srckey=$( (echo "$key"; sha256sum <"$work/src.tar") | sha256sum | cut -c1-16)
+find "$cachedir" -maxdepth 1 -name 'arm64-numba-*' ! -name "arm64-numba-*-$srckey" \
+  -exec rm -rf {} + 2>/dev/null || true
+for cpu in $cpus; do
+  mkdir -p "$cachedir/arm64-numba-$cpu-$srckey" "$root/tmp/numba-$cpu"
+  mount --bind "$cachedir/arm64-numba-$cpu-$srckey" "$root/tmp/numba-$cpu"
+done
 echo "test-arm: root filesystem ready ($((SECONDS - t0)) s)" >&2
 
 # Inside the chroot: nothing from the host's environment but what is listed here. /proc/cpuinfo

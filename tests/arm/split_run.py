@@ -42,7 +42,7 @@ def agent_prefix(root: Path, cpu: str) -> list[str]:
         "LANG=C.UTF-8",
         "PYTHONPATH=/src",
         "PYTHONDONTWRITEBYTECODE=1",
-        f"NUMBA_CACHE_DIR=/tmp/numba-{cpu}",  # the throwaway cache the chroot's tests filled
+        f"NUMBA_CACHE_DIR=/tmp/numba-{cpu}",  # the model's cache the chroot's tests filled
         f"NUMBA_CPU_NAME={cpu}",
     ]
     script = 'cd /src && shift && exec python "$@"'  # $1 is the host's sys.executable
