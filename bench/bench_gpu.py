@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import io
 import json
 import os
 import platform
@@ -20,94 +19,29 @@ import statistics
 import subprocess
 import sys
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
-
-MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-RESNET = "pipelines/resnet50.yaml"
-# torchvision keeps one nvJPEG decoder per process and rebuilds it (leaking the old one) when
-# the device argument changes ("cuda" vs "cuda:0"): every method here names the same device.
-CUDA0 = "cuda:0"
-
+from gpu_common import (  # bench/ is on sys.path when this runs as a script
+    CUDA0,
+    MEAN,
+    RESNET,
+    STD,
+    cuda_ms,
+    dataset,
+    decode_only_fn,
+    host_ms,
+    timed,
+)
+from gpu_extras import decode_points, e2e, nvimgcodec_bench, parity, profile
 
 # --- data: realistic JPEGs from scikit-image's photographs ------------------------------------
-
-
-def _photos():
-    import skimage.data
-
-    names = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry")
-    ps = [np.ascontiguousarray(getattr(skimage.data, n)()[..., :3]) for n in names]
-    ps.append(skimage.data.stereo_motorcycle()[0])
-    return ps
 
 
 _PHOTOS = None
 
 
-def make_jpeg(args: tuple[int, int, int]) -> bytes:
-    """One photo-like JPEG (crop of a photograph, sharpened, sensor noise), quality 94, 4:2:0."""
-    from PIL import Image, ImageFilter
-
-    global _PHOTOS
-    if _PHOTOS is None:
-        _PHOTOS = _photos()
-    i, w, h = args
-    rng = np.random.default_rng([7, i, w])
-    p = _PHOTOS[i % len(_PHOTOS)]
-    ph, pw = p.shape[:2]
-    f = rng.uniform(0.5, 1.0)
-    cw, ch = pw * f, pw * f * h / w
-    if ch > ph:
-        ch, cw = ph, ph * w / h
-    x0, y0 = rng.uniform(0, pw - cw), rng.uniform(0, ph - ch)
-    im = Image.fromarray(p).resize((w, h), Image.BICUBIC, box=(x0, y0, x0 + cw, y0 + ch))
-    if rng.random() < 0.5:
-        im = im.transpose(Image.FLIP_LEFT_RIGHT)
-    im = im.filter(ImageFilter.UnsharpMask(radius=1.5, percent=150, threshold=1))
-    noise = rng.normal(0, 3.5, (h, w, 1)) + rng.normal(0, 1.5, (h, w, 3))
-    a = np.clip(np.asarray(im, np.float64) + noise, 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, "JPEG", quality=94, subsampling=2)
-    return buf.getvalue()
-
-
-def dataset(n: int, w: int, h: int) -> list[bytes]:
-    with Pool(min(16, os.cpu_count() or 1)) as pool:
-        return pool.map(make_jpeg, [(i, w, h) for i in range(n)], chunksize=8)
-
-
 # --- timing helpers ---------------------------------------------------------------------------
-
-
-def cuda_ms(torch, fn, reps: int = 30, warm: int = 5, inner: int = 1) -> float:
-    """Median device time of fn() in ms, by CUDA events; `inner` back-to-back calls per timing
-    so that the host's launch cost overlaps the device work (device time, not launch latency)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(inner):
-            fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / inner)
-    return statistics.median(times)
-
-
-def host_ms(fn, reps: int = 20) -> float:
-    """Median host time of fn() in ms (what the calling thread spends; no device sync)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def env() -> dict:
@@ -333,39 +267,6 @@ def recipe_fn(torch, tvio):
     return run
 
 
-def decode_only_fn(torch, tvio, pinned: bool):
-    buf = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) if pinned else None
-    bufnp = buf.numpy() if pinned else None
-
-    def run(batch: list[bytes]):
-        if pinned:
-            ts, o = [], 0
-            for b in batch:
-                n = len(b)
-                bufnp[o : o + n] = np.frombuffer(b, np.uint8)
-                ts.append(buf[o : o + n])
-                o += (n + 255) // 256 * 256
-        else:
-            ts = [torch.frombuffer(b, dtype=torch.uint8) for b in batch]
-        return tvio.decode_jpeg(ts, device=CUDA0)
-
-    return run
-
-
-def timed(torch, fn, batches, sync_each=True) -> tuple[float, float]:
-    """(images/s by wall clock, host CPU ms per image) over all batches, outputs consumed."""
-    n = sum(len(b) for b in batches)
-    torch.cuda.synchronize()
-    c0, t0 = time.process_time(), time.perf_counter()
-    for b in batches:
-        fn(b)
-        if sync_each:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return n / wall, (time.process_time() - c0) * 1e3 / n
-
-
 def gil_probe(torch, batch: list[bytes]) -> float:
     """How fast a pure-Python loop runs while another thread decodes, against the same loop
     while another thread sleeps (1.0: decode_jpeg releases the GIL)."""
@@ -475,209 +376,7 @@ def pipeline_side_by_side(torch, data: dict[str, list[bytes]], sizes, total: dic
 # --- parity -----------------------------------------------------------------------------------
 
 
-def parity(torch, data: dict[str, list[bytes]]) -> dict:
-    from PIL import Image
-
-    from nicoffload import ops
-    from nicoffload.graph import load_pipeline
-
-    pipeline = load_pipeline(RESNET)
-    dec = ops.get_kernel("decode_image", "gpu").build([pipeline.node("decode")], ())
-    nodes = [pipeline.node(n) for n in ("resize", "crop")]
-    rc = ops.get_kernel(("resize", "center_crop"), "gpu").build(nodes, ())
-    out = {}
-    for name, items in data.items():
-        items = items[:48]
-        got = dec(items)
-        diffs, exact = [], 0
-        crops = rc(got).cpu().numpy()
-        for data_, t, c in zip(items, got, crops, strict=True):
-            with Image.open(io.BytesIO(data_)) as im:
-                want = np.asarray(im.convert("RGB"))
-            g = t.cpu().numpy()
-            diffs.append(float(np.abs(g.astype(np.int16) - want).mean()))
-            h, w = g.shape[:2]
-            rh, rw = (256, int(256 * w / h)) if h <= w else (int(256 * h / w), 256)
-            r = np.asarray(
-                Image.fromarray(np.ascontiguousarray(g)).resize((rw, rh), Image.BILINEAR)
-            )
-            top, left = round((rh - 224) / 2), round((rw - 224) / 2)
-            exact += bool((r[top : top + 224, left : left + 224] == c).all())
-        out[name] = {
-            "decode_mean_abs_diff_vs_pillow": {
-                "min": min(diffs),
-                "median": statistics.median(diffs),
-                "max": max(diffs),
-            },
-            "resize_crop_bit_exact_with_pillow": f"{exact}/{len(items)}",
-        }
-    return out
-
-
 # --- profile fit ------------------------------------------------------------------------------
-
-
-def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    x = np.array([p[0] for p in points])
-    y = np.array([p[1] for p in points])
-    if len(points) == 1:
-        return 0.0, float(y[0] / x[0])
-    b, a = np.polyfit(x, y, 1)
-    if a < 0:  # keep the intercept physical
-        a, b = 0.0, float((x * y).sum() / (x * x).sum())
-    return float(a), float(b)
-
-
-def profile(ev: dict, ceil: dict, decode_pts, fused_pts, norm_pts) -> dict:
-    """The GPU profile (nicoffload/data/profiles/h200.json is one) from this run's points."""
-    kernels = {}
-    for key, pts in (
-        ("decode_image", decode_pts),
-        ("resize+center_crop+normalize", fused_pts),
-        ("normalize", norm_pts),
-    ):
-        a, b = (
-            fit(pts)
-            if len({w for w, _ in pts}) > 1
-            else (0.0, statistics.mean(t / w for w, t in pts))
-        )
-        kernels[key] = {"a_ms": a, "b_ms": b, "unit": "pixels", "points": [[w, t] for w, t in pts]}
-    fused = kernels["resize+center_crop+normalize"]
-    for key in ("resize", "center_crop", "resize+center_crop", "center_crop+normalize"):
-        kernels[key] = {**fused, "points": []}  # the same resampler launch
-    return {
-        "format": "nicoffload-profile",
-        "version": 1,
-        "kind": "gpu",
-        "machine": {
-            k: ev[k]
-            for k in (
-                "gpu",
-                "nvidia_smi",
-                "cpu_cores",
-                "kernel",
-                "torch",
-                "cuda",
-                "torchvision",
-                "cupy",
-            )
-        },
-        "date": ev["date_utc"][:10],
-        "method": (
-            f"measured: `{ev['command']}` on the device ({ev['date_utc']} UTC). ms per item = a "
-            "batch's time / its items, whole device: give the GPU capacity 1. decode_image: nvJPEG "
-            "batched (torchvision), wall clock; host-bound and noisy. resize+center_crop+normalize: "
-            "CUDA events, device time of the resampler launches; work = planner.cost.chain_work "
-            "(resize work limited to the crop window, plus crop and normalize). normalize: dense "
-            "224x224 fp16 CHW (one size: a = 0, b = mean). resize, center_crop and their other "
-            "chains run the same resampler launch: the fused chain's a, b (not measured apart). "
-            "pcie: pinned 256 MiB host-to-device copy, 4 KiB copy latency."
-        ),
-        "kernels": dict(sorted(kernels.items())),
-        "links": {
-            "pcie": {
-                "latency_ms": ceil["h2d_4KiB_latency_ms"],
-                "bandwidth_bytes_per_s": ceil["h2d_pinned_GBps"] * 1e9,
-                "cpu_ns_per_byte": 0.0,
-            }
-        },
-    }
-
-
-def decode_points(torch, sizes) -> list[tuple[float, float]]:
-    """ms per item of nvJPEG batched decode at several image sizes: [(items, batch size)]."""
-    import torchvision.io as tvio
-
-    pts = []
-    for items, bs in sizes:
-        h, w = jpeg_size(items[0])
-        n = len(items)
-        fn = decode_only_fn(torch, tvio, False)
-        batches = [items[i : i + bs] for i in range(0, n, bs)]
-        fn(batches[0])
-        ips, _ = timed(torch, fn, batches * 4)
-        pts.append((float(w * h), 1e3 / ips))
-    return pts
-
-
-def jpeg_size(data: bytes) -> tuple[int, int]:
-    from nicoffload.ops.gpu_image import jpeg_header
-
-    h, w, _, _ = jpeg_header(data)
-    return h, w
-
-
-def nvimgcodec_bench(torch, data: dict[str, list[bytes]], sizes) -> dict:
-    """nvImageCodec's batched decode alone, same data, same timing, if the wheel is there."""
-    try:
-        from nvidia import nvimgcodec
-    except Exception as exc:
-        return {"error": repr(exc)}
-    res: dict = {"version": getattr(nvimgcodec, "__version__", "?")}
-    try:
-        dec = nvimgcodec.Decoder(max_num_cpu_threads=8)
-
-        def run(batch):
-            imgs = dec.decode(batch)
-            return [torch.as_tensor(im, device="cuda") for im in imgs]
-
-        for name, items in data.items():
-            for bs in sizes:
-                batches = [
-                    [items[(k * bs + j) % len(items)] for j in range(bs)]
-                    for k in range(max(4, (4096 if name == "imagenet" else 512) // bs))
-                ]
-                run(batches[0])
-                runs = [timed(torch, run, batches)[0] for _ in range(2)]
-                res[f"{name}_batch{bs}"] = {"images_per_s": max(runs), "runs": runs}
-                print("nvimgcodec", name, bs, runs, flush=True)
-        from PIL import Image
-
-        diffs = []
-        for d, t in zip(data["imagenet"][:32], run(data["imagenet"][:32]), strict=True):
-            with Image.open(io.BytesIO(d)) as im:
-                want = np.asarray(im.convert("RGB"))
-            diffs.append(float(np.abs(t.cpu().numpy().astype(np.int16) - want).mean()))
-        res["mean_abs_diff_vs_pillow_median"] = statistics.median(diffs)
-    except Exception as exc:
-        res["error"] = repr(exc)
-    return res
-
-
-def e2e(out: Path, n: int) -> dict:
-    """`nicoffload plan` then `run` for resnet50.yaml on the local topology (host CPU, local
-    agent, GPU): measured throughput and per-stage predicted against measured ms per item."""
-    cli = [sys.executable, "-m", "nicoffload"]
-    plan_file = out / "plan.json"
-    plan = subprocess.run(
-        [*cli, "plan", RESNET, "--output", str(plan_file), "--json"], capture_output=True, text=True
-    )
-    if plan.returncode:
-        return {"step": "plan", "rc": plan.returncode, "stderr": plan.stderr[-3000:]}
-    run = subprocess.run(
-        [*cli, "run", RESNET, "--plan", str(plan_file), "--sample", str(n), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode:
-        return {
-            "step": "run",
-            "rc": run.returncode,
-            "plan": json.loads(plan.stdout),
-            "stderr": run.stderr[-3000:],
-        }
-    got = json.loads(run.stdout)
-    return {
-        "plan": json.loads(plan.stdout),
-        "run": got,
-        "stages": {
-            name: {
-                "predicted_ms_per_item": st.get("predicted_ms_per_item"),
-                "measured_ms_per_item": st["ms_per_item"],
-            }
-            for name, st in got["stages"].items()
-        },
-    }
 
 
 def main() -> None:

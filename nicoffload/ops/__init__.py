@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 DEVICES = ("cpu", "dpu", "gpu")
 REQUIRED = object()
-OP_MODULES = ("decode", "resize", "crop", "normalize", "fused", "tokenize", "gpu_image")
+OP_MODULES = ("decode", "resize", "crop", "normalize", "fused", "tokenize", "gpu_image", "gpu_decode")
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"

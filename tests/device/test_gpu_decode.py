@@ -51,7 +51,7 @@ def test_nvjpeg_matches_libjpeg_turbo_within_the_stated_tolerance(gpu, tmp_path)
         assert img.shape == want.shape
         diff = np.abs(img.astype(np.int16) - want).mean()
         assert diff <= MEAN_ABS_TOLERANCE, f"mean abs difference {diff:.2f}"
-    from nicoffload.ops.gpu_image import jpeg_header
+    from nicoffload.ops.gpu_decode import jpeg_header
 
     progressive_or_baseline = sum(jpeg_header(d)[2] == 3 for d in items)
     assert fn.stats.gpu == progressive_or_baseline

@@ -11,7 +11,7 @@ from nicoffload.devices.gpu import availability
 def test_importing_the_gpu_modules_imports_neither_torch_nor_cupy():
     code = (
         "import sys\n"
-        "import nicoffload, nicoffload.ops.gpu_image, nicoffload.devices.gpu\n"
+        "import nicoffload, nicoffload.ops.gpu_image, nicoffload.ops.gpu_decode, nicoffload.devices.gpu\n"
         "import nicoffload.runtime.gpu_stage\n"
         "from nicoffload import ops\n"
         "assert ('decode_image',) in {k.ops for k in ops.all_kernels() if k.device == 'gpu'}\n"

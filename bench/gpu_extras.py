@@ -1,0 +1,216 @@
+"""The GPU benchmark's parity check, profile fit, decode points, nvImageCodec comparison and
+the end-to-end plan + run (sections of bench_gpu.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from gpu_common import RESNET, decode_only_fn, timed
+
+
+def parity(torch, data: dict[str, list[bytes]]) -> dict:
+    from PIL import Image
+
+    from nicoffload import ops
+    from nicoffload.graph import load_pipeline
+
+    pipeline = load_pipeline(RESNET)
+    dec = ops.get_kernel("decode_image", "gpu").build([pipeline.node("decode")], ())
+    nodes = [pipeline.node(n) for n in ("resize", "crop")]
+    rc = ops.get_kernel(("resize", "center_crop"), "gpu").build(nodes, ())
+    out = {}
+    for name, items in data.items():
+        items = items[:48]
+        got = dec(items)
+        diffs, exact = [], 0
+        crops = rc(got).cpu().numpy()
+        for data_, t, c in zip(items, got, crops, strict=True):
+            with Image.open(io.BytesIO(data_)) as im:
+                want = np.asarray(im.convert("RGB"))
+            g = t.cpu().numpy()
+            diffs.append(float(np.abs(g.astype(np.int16) - want).mean()))
+            h, w = g.shape[:2]
+            rh, rw = (256, int(256 * w / h)) if h <= w else (int(256 * h / w), 256)
+            r = np.asarray(
+                Image.fromarray(np.ascontiguousarray(g)).resize((rw, rh), Image.BILINEAR)
+            )
+            top, left = round((rh - 224) / 2), round((rw - 224) / 2)
+            exact += bool((r[top : top + 224, left : left + 224] == c).all())
+        out[name] = {
+            "decode_mean_abs_diff_vs_pillow": {
+                "min": min(diffs),
+                "median": statistics.median(diffs),
+                "max": max(diffs),
+            },
+            "resize_crop_bit_exact_with_pillow": f"{exact}/{len(items)}",
+        }
+    return out
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    x = np.array([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    if len(points) == 1:
+        return 0.0, float(y[0] / x[0])
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:  # keep the intercept physical
+        a, b = 0.0, float((x * y).sum() / (x * x).sum())
+    return float(a), float(b)
+
+
+def profile(ev: dict, ceil: dict, decode_pts, fused_pts, norm_pts) -> dict:
+    """The GPU profile (nicoffload/data/profiles/h200.json is one) from this run's points."""
+    kernels = {}
+    for key, pts in (
+        ("decode_image", decode_pts),
+        ("resize+center_crop+normalize", fused_pts),
+        ("normalize", norm_pts),
+    ):
+        a, b = (
+            fit(pts)
+            if len({w for w, _ in pts}) > 1
+            else (0.0, statistics.mean(t / w for w, t in pts))
+        )
+        kernels[key] = {"a_ms": a, "b_ms": b, "unit": "pixels", "points": [[w, t] for w, t in pts]}
+    fused = kernels["resize+center_crop+normalize"]
+    for key in ("resize", "center_crop", "resize+center_crop", "center_crop+normalize"):
+        kernels[key] = {**fused, "points": []}  # the same resampler launch
+    return {
+        "format": "nicoffload-profile",
+        "version": 1,
+        "kind": "gpu",
+        "machine": {
+            k: ev[k]
+            for k in (
+                "gpu",
+                "nvidia_smi",
+                "cpu_cores",
+                "kernel",
+                "torch",
+                "cuda",
+                "torchvision",
+                "cupy",
+            )
+        },
+        "date": ev["date_utc"][:10],
+        "method": (
+            f"measured: `{ev['command']}` on the device ({ev['date_utc']} UTC). ms per item = a "
+            "batch's time / its items, whole device: give the GPU capacity 1. decode_image: nvJPEG "
+            "batched (torchvision), wall clock; host-bound and noisy. resize+center_crop+normalize: "
+            "CUDA events, device time of the resampler launches; work = planner.cost.chain_work "
+            "(resize work limited to the crop window, plus crop and normalize). normalize: dense "
+            "224x224 fp16 CHW (one size: a = 0, b = mean). resize, center_crop and their other "
+            "chains run the same resampler launch: the fused chain's a, b (not measured apart). "
+            "pcie: pinned 256 MiB host-to-device copy, 4 KiB copy latency."
+        ),
+        "kernels": dict(sorted(kernels.items())),
+        "links": {
+            "pcie": {
+                "latency_ms": ceil["h2d_4KiB_latency_ms"],
+                "bandwidth_bytes_per_s": ceil["h2d_pinned_GBps"] * 1e9,
+                "cpu_ns_per_byte": 0.0,
+            }
+        },
+    }
+
+
+def decode_points(torch, sizes) -> list[tuple[float, float]]:
+    """ms per item of nvJPEG batched decode at several image sizes: [(items, batch size)]."""
+    import torchvision.io as tvio
+
+    pts = []
+    for items, bs in sizes:
+        h, w = jpeg_size(items[0])
+        n = len(items)
+        fn = decode_only_fn(torch, tvio, False)
+        batches = [items[i : i + bs] for i in range(0, n, bs)]
+        fn(batches[0])
+        ips, _ = timed(torch, fn, batches * 4)
+        pts.append((float(w * h), 1e3 / ips))
+    return pts
+
+
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    from nicoffload.ops.gpu_decode import jpeg_header
+
+    h, w, _, _ = jpeg_header(data)
+    return h, w
+
+
+def nvimgcodec_bench(torch, data: dict[str, list[bytes]], sizes) -> dict:
+    """nvImageCodec's batched decode alone, same data, same timing, if the wheel is there."""
+    try:
+        from nvidia import nvimgcodec
+    except Exception as exc:
+        return {"error": repr(exc)}
+    res: dict = {"version": getattr(nvimgcodec, "__version__", "?")}
+    try:
+        dec = nvimgcodec.Decoder(max_num_cpu_threads=8)
+
+        def run(batch):
+            imgs = dec.decode(batch)
+            return [torch.as_tensor(im, device="cuda") for im in imgs]
+
+        for name, items in data.items():
+            for bs in sizes:
+                batches = [
+                    [items[(k * bs + j) % len(items)] for j in range(bs)]
+                    for k in range(max(4, (4096 if name == "imagenet" else 512) // bs))
+                ]
+                run(batches[0])
+                runs = [timed(torch, run, batches)[0] for _ in range(2)]
+                res[f"{name}_batch{bs}"] = {"images_per_s": max(runs), "runs": runs}
+                print("nvimgcodec", name, bs, runs, flush=True)
+        from PIL import Image
+
+        diffs = []
+        for d, t in zip(data["imagenet"][:32], run(data["imagenet"][:32]), strict=True):
+            with Image.open(io.BytesIO(d)) as im:
+                want = np.asarray(im.convert("RGB"))
+            diffs.append(float(np.abs(t.cpu().numpy().astype(np.int16) - want).mean()))
+        res["mean_abs_diff_vs_pillow_median"] = statistics.median(diffs)
+    except Exception as exc:
+        res["error"] = repr(exc)
+    return res
+
+
+def e2e(out: Path, n: int) -> dict:
+    """`nicoffload plan` then `run` for resnet50.yaml on the local topology (host CPU, local
+    agent, GPU): measured throughput and per-stage predicted against measured ms per item."""
+    cli = [sys.executable, "-m", "nicoffload"]
+    plan_file = out / "plan.json"
+    plan = subprocess.run(
+        [*cli, "plan", RESNET, "--output", str(plan_file), "--json"], capture_output=True, text=True
+    )
+    if plan.returncode:
+        return {"step": "plan", "rc": plan.returncode, "stderr": plan.stderr[-3000:]}
+    run = subprocess.run(
+        [*cli, "run", RESNET, "--plan", str(plan_file), "--sample", str(n), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode:
+        return {
+            "step": "run",
+            "rc": run.returncode,
+            "plan": json.loads(plan.stdout),
+            "stderr": run.stderr[-3000:],
+        }
+    got = json.loads(run.stdout)
+    return {
+        "plan": json.loads(plan.stdout),
+        "run": got,
+        "stages": {
+            name: {
+                "predicted_ms_per_item": st.get("predicted_ms_per_item"),
+                "measured_ms_per_item": st["ms_per_item"],
+            }
+            for name, st in got["stages"].items()
+        },
+    }
