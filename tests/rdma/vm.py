@@ -44,9 +44,10 @@ mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 for m in $(cat /modules.order); do insmod /lib/modules/$m || echo "insmod $m failed"; done
 o=trans=virtio,version=9p2000.L,msize=524288,cache=loose
 mkdir -p /host && mount -t 9p -o $o,ro host /host || echo "no host share"
-mount -t 9p -o $o work /host@REPO@
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
 mount -t tmpfs tmp /host/tmp; mkdir -p /host/tmp/out /host/dev/shm
+# the repository last: a clone under /tmp (CI's) would be hidden by the tmpfs above
+mkdir -p /host@REPO@ 2>/dev/null; mount -t 9p -o $o work /host@REPO@
 mount -t tmpfs shm /host/dev/shm; mount -t 9p -o trans=virtio,version=9p2000.L out /host/tmp/out
 mkdir -p /host/tmp/numba; mount -t 9p -o trans=virtio,version=9p2000.L numba /host/tmp/numba
 ip link set lo up; ip link show dummy0 >/dev/null 2>&1 || ip link add dummy0 type dummy
