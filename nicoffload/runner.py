@@ -180,6 +180,7 @@ def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
 
     with _open(
         prep.pipeline,
+        prep.plan,
         first,
         device,
         transport=_transport(prep, first),

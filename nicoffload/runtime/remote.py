@@ -14,13 +14,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nicoffload.errors import AgentError, DeviceError, TransportError
 from nicoffload.graph import Pipeline, Ref
-from nicoffload.planner.plan import Plan, StagePlan, stages_for
+from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
 from nicoffload.transport.slots import ALIGN
@@ -150,6 +150,7 @@ class RemoteFront:
 @contextlib.contextmanager
 def open_front(
     pipeline: Pipeline,
+    plan: Plan,
     stage: StagePlan,
     device: Device,
     *,
@@ -205,7 +206,7 @@ def open_front(
         rx = stack.enter_context(listen(where, slots=slots, slot_bytes=slot_bytes))
         client.load(
             Path(pipeline.path).read_text(encoding="utf-8"),
-            _single_stage_plan(pipeline, stage),
+            plan,
             stage.name,
             rx.address,
             batch_max_size=batch,
@@ -225,12 +226,3 @@ def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:
 def _ref(pipeline: Pipeline, key: str) -> Ref:
     name, _, port = key.partition(".")
     return Ref(name, port or "out")
-
-
-def _single_stage_plan(pipeline: Pipeline, stage: StagePlan) -> Plan:
-    """The plan the agent loads: the whole pipeline's placement, with this stage on 'dpu0'."""
-    placement = {n.name: ("dpu0" if n.name in stage.nodes else "cpu") for n in pipeline.nodes}
-    stages, transfers = stages_for(pipeline, placement)
-    first = next(s for s in stages if set(s.nodes) == set(stage.nodes))
-    stages = tuple(replace(s, name=stage.name) if s is first else s for s in stages)
-    return Plan(pipeline.name, placement, stages, transfers, topology="agent")
