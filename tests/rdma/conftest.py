@@ -3,15 +3,10 @@ skip, saying why."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from nicoffload.errors import DeviceError
-from nicoffload.transport import register_scheme, verbs
-
-with contextlib.suppress(ValueError):  # registered already (by a later base, or another conftest)
-    register_scheme("rdma", "nicoffload.transport.rdma")
+from nicoffload.transport import verbs
 
 
 def verbs_missing() -> str | None:

@@ -223,7 +223,7 @@ def run(command: str, *, timeout: float = 240.0, env: dict[str, str] | None = No
             shutil.rmtree(old, ignore_errors=True)
     out = Path(tempfile.mkdtemp(prefix="run-", dir=CACHE))
     guest_env = {
-        "PYTHONPATH": f"{GUEST_PYVERBS}:{REPO}/tests/rdma/site",
+        "PYTHONPATH": GUEST_PYVERBS,
         "HOME": "/tmp",
         "PYTHONDONTWRITEBYTECODE": "1",
         "NICOFFLOAD_IN_RDMA_VM": "1",
