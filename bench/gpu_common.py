@@ -16,6 +16,7 @@ RESNET = "pipelines/resnet50.yaml"
 # torchvision keeps one nvJPEG decoder per process and rebuilds it (leaking the old one) when
 # the device argument changes ("cuda" vs "cuda:0"): every method here names the same device.
 CUDA0 = "cuda:0"
+_PHOTOS: list | None = None  # per worker process, loaded on first use
 
 
 def _photos():

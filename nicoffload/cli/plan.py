@@ -172,8 +172,14 @@ def plan(
     )
     if output is not None:
         the_plan.save(output)
+    from nicoffload.transport import gpudirect
+
+    landing = gpudirect.for_plan(the_plan)  # this machine's check, not part of the saved plan
     if json_out:
-        emit_json(the_plan.to_json())
+        doc = the_plan.to_json()
+        if landing:
+            doc["gpu_destinations"] = landing
+        emit_json(doc)
         return
     import sys
 
@@ -182,5 +188,9 @@ def plan(
     console = Console(width=None if sys.stdout.isatty() else 120)
     for part in render(the_plan):
         console.print(part)
+    for d in landing:
+        console.print(f"rdma into the GPU, {d['transfer']}: {d['destination']} ({d['reason']})")
+        if "warning" in d:
+            console.print(f"warning: {d['warning']}", style="yellow")
     if output is not None:
         typer.echo(f"plan written to {output}", err=True)

@@ -4,8 +4,10 @@ Where the receiver's ring is host memory (shm, tcp, an rdma ring without GPUDire
 page-locked for CUDA once (`cudaHostRegister` over the whole buffer the deliveries point into)
 and each delivery's tensors are copied to device memory asynchronously on the landing's stream.
 The slot goes back to the sender only once that copy has completed (a CUDA event): the sender
-never overwrites a slot the GPU is still reading, and the receiving thread never waits for a
-copy unless the sender would otherwise run out of slots. Where the ring is GPU memory already
+never overwrites a slot the GPU is still reading. `recv` returns as soon as a batch's copy is
+issued (the caller queues its GPU work behind it), and the next `recv` first waits for that copy
+and gives its slot back, so the sender, writing the next batch into another slot meanwhile, is
+never left waiting on a slot only the caller could free. Where the ring is GPU memory already
 (an rdma ring registered through dma-buf or nvidia-peermem, `gpudirect.choose`), there is
 nothing to copy and this module is not in the way.
 
@@ -77,12 +79,7 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 
 class GpuLanding:
-    """Copies each delivery of `receiver` to the GPU (see the module's docstring).
-
-    At most `receiver.slots - 1` copies are in flight: before waiting for the next batch, the
-    slots of completed copies go back, and if every slot is still held the oldest copy is waited
-    for, so the sender always has a slot to write into.
-    """
+    """Copies each delivery of `receiver` to the GPU (see the module's docstring)."""
 
     kind = PINNED_HOST
 
@@ -120,10 +117,10 @@ class GpuLanding:
         None once the sender has closed. TransportError as the receiver raises it."""
         if self._closed:
             raise TransportError("the GPU landing is closed")
-        self._retire(block=len(self._pending) >= max(1, self.receiver.slots - 1))
+        # Every slot back before waiting: the sender may be waiting for one (a flush, say).
+        self._retire()
         d = self.receiver.recv(timeout)
         if d is None:
-            self._retire(block=True, everything=True)
             return None
         try:
             landed = self._land(d)
@@ -184,17 +181,11 @@ class GpuLanding:
             ) from exc
         self._registered[addr] = size
 
-    def _retire(self, *, block: bool, everything: bool = False) -> None:
-        """Give back the slots whose copies have completed; with `block`, wait for the oldest
-        (or, with `everything`, for all)."""
+    def _retire(self) -> None:
+        """Wait for the copies issued so far and give their slots back."""
         while self._pending:
-            p = self._pending[0]
-            if not p.event.query():
-                if not block:
-                    return
-                p.event.synchronize()
-                block = everything
-            self._pending.popleft()
+            p = self._pending.popleft()
+            p.event.synchronize()
             self.receiver.release(p.delivery)
 
     def close(self) -> None:
@@ -204,7 +195,7 @@ class GpuLanding:
             return
         self._closed = True
         try:
-            self._retire(block=True, everything=True)
+            self._retire()
         except TransportError:  # the sender is gone: its slots need no credit
             self._pending.clear()
         finally:

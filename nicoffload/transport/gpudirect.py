@@ -10,7 +10,7 @@ import ctypes
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 DMABUF, PEERMEM, PINNED = "gpudirect-dmabuf", "gpudirect-peermem", "pinned-host"
 PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem")
@@ -113,3 +113,42 @@ def _cuda() -> tuple[bool, bool]:
     if cuda.cuDeviceGetAttribute(ctypes.byref(value), attr, dev):
         return True, False
     return True, bool(value.value)
+
+
+def for_plan(plan: Any, caps: GpuCaps | None = None) -> list[dict[str, Any]]:
+    """The GPU destination of each rdma transfer of `plan` that lands on a GPU stage, as this
+    machine's capabilities decide it (`probe`, once): what `plan` and `run` report. A link the
+    topology calls `rdma-gpudirect` that this machine cannot honour says so."""
+    stages = {s.name: s for s in plan.stages}
+    out = []
+    for t in plan.transfers:
+        dst = stages.get(t.dst_stage)
+        if dst is None or dst.kind != "gpu" or not t.transport.startswith("rdma"):
+            continue
+        if caps is None:
+            caps = probe(_first_rdma_device())
+        dest = choose(caps)
+        row = {
+            "transfer": f"{t.src_stage} -> {t.dst_stage}",
+            "tensor": t.tensor,
+            "link": t.transport,
+            "destination": dest.kind,
+            "reason": dest.reason,
+        }
+        if t.transport == "rdma-gpudirect" and not dest.gpudirect:
+            row["warning"] = (
+                "the topology says rdma-gpudirect, but this machine lands the tensor in pinned "
+                "host memory and copies it (one more PCIe crossing than the plan assumed)"
+            )
+        out.append(row)
+    return out
+
+
+def _first_rdma_device() -> str | None:
+    try:
+        from nicoffload.transport import verbs
+
+        found = verbs.devices()
+    except Exception:  # no rdma-core / pyverbs here
+        return None
+    return found[0] if found else None

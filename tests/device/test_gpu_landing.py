@@ -83,3 +83,33 @@ def test_the_ring_is_page_locked_for_cuda_while_landing(gpu, tmp_path):
         attrs = cupy.cuda.runtime.pointerGetAttributes(addr)
         assert attrs.type != cupy.cuda.runtime.memoryTypeHost  # unregistered again
         tx.close()
+
+
+def test_a_sender_waiting_for_its_slots_is_never_left_waiting(gpu):
+    # The sender flushes after every batch: it waits until the receiver gave every slot back,
+    # while the landing's caller is already waiting for the next batch. Large batches keep the
+    # copy running when the caller comes back: the slot must be freed before it waits.
+    x = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
+    rx = listen("tcp://127.0.0.1:0", slots=2, slot_bytes=(64 << 20) + 4096)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            with connect(rx.address) as tx:
+                for i in range(4):
+                    tx.send({"x": x}, request_id=i)
+                    tx.flush(timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=send)
+    t.start()
+    with rx, GpuLanding(rx, gpu) as landing:
+        ids = []
+        while (d := landing.recv(timeout=30)) is not None:
+            ids.append(d.request_id)
+            last = d
+        assert ids == [0, 1, 2, 3]
+        assert bool((last.tensors["x"].cpu().numpy() == x).all())
+    t.join(30)
+    assert not errors, errors

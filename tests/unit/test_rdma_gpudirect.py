@@ -44,3 +44,26 @@ def test_probing_a_machine_never_raises() -> None:
     caps = probe(None)
     assert caps.rdma_device is None
     assert choose(caps).kind == PINNED
+
+
+def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None:
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner import plan_for
+    from nicoffload.transport.gpudirect import for_plan
+
+    topo = "pipelines/topologies/bluefield3-h100.yaml"
+    plan = plan_for(load_pipeline("pipelines/resnet50.yaml"), topo, None, "throughput")
+    into_gpu = [
+        t
+        for t in plan.transfers
+        if t.transport.startswith("rdma")
+        and next(s for s in plan.stages if s.name == t.dst_stage).kind == "gpu"
+    ]
+    assert into_gpu  # the example server sends from the DPU straight into the GPU
+    rows = for_plan(plan, ALL)
+    assert [r["transfer"] for r in rows] == [f"{t.src_stage} -> {t.dst_stage}" for t in into_gpu]
+    assert {r["destination"] for r in rows} == {DMABUF} and not any("warning" in r for r in rows)
+    rows = for_plan(plan, dataclasses.replace(ALL, cuda_dmabuf=False, peermem=False))
+    assert {r["destination"] for r in rows} == {PINNED}
+    gpudirect_links = [r for r in rows if r["link"] == "rdma-gpudirect"]
+    assert gpudirect_links and all("pinned host memory" in r["warning"] for r in gpudirect_links)
