@@ -247,6 +247,24 @@ def landing(torch, ceil: dict, mib: int = 16, batches: int = 200) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         ok = all(torch.equal(d.tensors["x"].cpu(), torch.from_numpy(x)) for d in landed[-3:])
+        # the same registered ring copied again with no sender writing into host memory
+        (addr,) = land._registered
+        dst = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+        rt = land.cupy.cuda.runtime
+        idle = []
+        for _ in range(10):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            rt.memcpyAsync(
+                dst.data_ptr(),
+                addr,
+                mib << 20,
+                rt.memcpyHostToDevice,
+                torch.cuda.current_stream().cuda_stream,
+            )
+            e1.record()
+            e1.synchronize()
+            idle.append(e0.elapsed_time(e1))
     t.join()
     copy_ms = [d.copy_ms() for d in landed]
     copy_gbps = (mib << 20) / statistics.median(copy_ms) / 1e6
@@ -255,6 +273,7 @@ def landing(torch, ceil: dict, mib: int = 16, batches: int = 200) -> dict:
         "batches": batches,
         "copy_GBps_median": copy_gbps,
         "of_pinned_h2d": copy_gbps / ceil["h2d_pinned_GBps"],
+        "idle_copy_GBps_median": (mib << 20) / statistics.median(idle) / 1e6,
         "end_to_end_GBps": batches * (mib << 20) / wall / 1e9,
         "last_batches_equal": ok,
         "destination": "pinned-host (no RDMA device on this machine)",

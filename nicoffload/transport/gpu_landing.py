@@ -130,32 +130,27 @@ class GpuLanding:
         return landed
 
     def _land(self, d: Delivery) -> GpuDelivery:
-        torch, cupy = self.torch, self.cupy
+        torch, rt = self.torch, self.cupy.cuda.runtime
         out: dict[str, Any] = {}
-        nbytes, started = 0, None
-        with torch.cuda.stream(self.stream):
-            if self.timing:
+        copies = []
+        with torch.cuda.stream(self.stream):  # allocations ordered on the landing's stream
+            for name, host in d.tensors.items():
+                if host.nbytes and not host.flags.c_contiguous:
+                    raise TransportError(f"tensor {name!r} of slot {d.slot} is not contiguous")
+                self._register(host)
+                dtype = _torch_dtype(torch, host.dtype)
+                out[name] = torch.empty(host.shape, dtype=dtype, device=self.gpu.device)
+                if host.nbytes:
+                    copies.append((out[name].data_ptr(), host.ctypes.data, host.nbytes))
+            started = None
+            if self.timing:  # just before the copies: what is timed is the copies alone
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self.stream)
-            for name, host in d.tensors.items():
-                self._register(host)
-                dev = torch.empty(
-                    host.shape, dtype=_torch_dtype(torch, host.dtype), device=self.gpu.device
-                )
-                if host.nbytes:
-                    if not host.flags.c_contiguous:
-                        raise TransportError(f"tensor {name!r} of slot {d.slot} is not contiguous")
-                    cupy.cuda.runtime.memcpyAsync(
-                        dev.data_ptr(),
-                        host.ctypes.data,
-                        host.nbytes,
-                        cupy.cuda.runtime.memcpyHostToDevice,
-                        self.stream.cuda_stream,
-                    )
-                out[name] = dev
-                nbytes += host.nbytes
+            for dst, src, n in copies:
+                rt.memcpyAsync(dst, src, n, rt.memcpyHostToDevice, self.stream.cuda_stream)
             event = torch.cuda.Event(enable_timing=self.timing)
             event.record(self.stream)
+        nbytes = sum(n for _, _, n in copies)
         landed = GpuDelivery(
             d.slot, d.request_id, d.batch_size, out, dict(d.meta), event, nbytes, started
         )
