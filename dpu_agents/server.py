@@ -120,6 +120,7 @@ class Agent:
             f"{peer}/{s.name}": {"admitted": s.admitted, "forwarded": s.forwarded}
             for peer, s in sessions
         }
+        doc["kernels"] = _kernel_times(s for _, s in sessions)
         return doc
 
     def request_stop(self) -> None:
@@ -164,6 +165,32 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kernel_times(sessions: Any) -> dict[str, Any]:
+    """Per stage (summed over its sessions), what its kernels cost per item on the agent's
+    workers: CPU time and wall time inside the kernel calls (`nicoffload.runtime.stage.StepTime`),
+    the figures a host compares with the planner's prediction."""
+    totals: dict[str, dict[str, list[float]]] = {}
+    for s in sessions:
+        steps = totals.setdefault(s.name, {})
+        for step, t in s.built.stage.times().items():
+            acc = steps.setdefault(step, [0.0, 0.0, 0])
+            acc[0] += t.cpu_ms * t.calls
+            acc[1] += t.wall_ms * t.calls
+            acc[2] += t.calls
+    out = {}
+    for name, steps in totals.items():
+        per = {k: (c / n, w / n, n) if n else (0.0, 0.0, 0) for k, (c, w, n) in steps.items()}
+        out[name] = {
+            "cpu_ms_per_item": round(sum(c for c, _, _ in per.values()), 4),
+            "wall_ms_per_item": round(sum(w for _, w, _ in per.values()), 4),
+            "items": max((n for _, _, n in per.values()), default=0),
+            "steps": {
+                k: {"cpu_ms": round(c, 4), "wall_ms": round(w, 4)} for k, (c, w, _) in per.items()
+            },
+        }
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

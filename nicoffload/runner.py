@@ -200,7 +200,15 @@ def _transport(prep: Prepared, first: StagePlan) -> str:
     return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"
 
 
-def _stage_doc(stage: StagePlan, measured: float, steps: dict[str, float] | None) -> dict[str, Any]:
+def _stage_doc(
+    stage: StagePlan,
+    measured: float,
+    steps: dict[str, float] | None,
+    wall: float | None = None,
+) -> dict[str, Any]:
+    """A stage of `run --json`. On CPU and DPU devices `ms_per_item` is the CPU time its kernels
+    took per item in the worker that ran them (core-ms, the unit the planner predicts in) and
+    `wall_ms_per_item` the same calls by the wall clock; GPU stages report their own time."""
     predicted = stage.predicted_ms_per_item
     doc: dict[str, Any] = {
         "device": stage.device,
@@ -211,17 +219,22 @@ def _stage_doc(stage: StagePlan, measured: float, steps: dict[str, float] | None
         if predicted is None or measured == 0
         else round(100 * (predicted - measured) / measured, 1),
     }
+    if wall is not None:
+        doc["wall_ms_per_item"] = round(wall, 4)
     if steps is not None:
         doc["steps"] = {k: round(v, 4) for k, v in steps.items()}
     return doc
 
 
 def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> None:
-    steps = ex.step_ms_per_item()
     if front is not None:
         remote = front.remote_stats()
+        steps = {k: float(v["cpu_ms"]) for k, v in remote.get("steps", {}).items()}
         stats.stages[front.stage.name] = _stage_doc(
-            front.stage, float(remote.get("ms_per_item", 0.0)), None
+            front.stage,
+            float(remote.get("cpu_ms_per_item", 0.0)),
+            steps or None,
+            float(remote.get("wall_ms_per_item", 0.0)),
         )
         t = front.transfer
         for tr in ex.plan.transfers:
@@ -235,14 +248,10 @@ def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> N
                     "predicted_ms_per_item": tr.predicted_ms_per_item,
                 }
         stats.failover = ex.failed_over
-    stages = list(ex.host)
-    if ex.fallback is not ex.host and any(
-        k.startswith(ex.fallback[0].plan.name + ":") for k in steps
-    ):
-        stages.insert(0, ex.fallback[0])
-    for stage in stages:
-        mine = {st.name: steps.get(f"{stage.plan.name}:{st.name}", 0.0) for st in stage.steps}
-        stats.stages[stage.plan.name] = _stage_doc(stage.plan, float(sum(mine.values())), mine)
+    for plan, times in ex.step_times():
+        cpu = {k: t.cpu_ms for k, t in times.items()}
+        wall = sum(t.wall_ms for t in times.values())
+        stats.stages[plan.name] = _stage_doc(plan, sum(cpu.values()), cpu, wall)
     if ex.gpu is not None:
         mine = ex.gpu.step_ms_per_item()
         stats.stages[ex.gpu.plan.name] = _stage_doc(ex.gpu.plan, float(sum(mine.values())), mine)

@@ -28,7 +28,7 @@ from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
-from nicoffload.runtime.stage import Stage
+from nicoffload.runtime.stage import Stage, StepTime
 
 Item = tuple[str, Mapping[str, Any]]  # (name, {input name: bytes or str})
 _END = object()
@@ -152,9 +152,7 @@ class Executor:
         specs = {k: s for k, s in pipeline.output_specs().items() if k in self.out_refs}
         # batches in the GPU stage still hold their slot: room for them too
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
-        self.steps: dict[str, list[int]] = {}  # step name -> [ns, calls]
         self.failed_over: str | None = None
-        self._lock = threading.Lock()
 
     def __enter__(self) -> Executor:
         return self
@@ -167,21 +165,14 @@ class Executor:
         if self.gpu is not None:
             self.gpu.close()
 
-    def _process(self, task: _Task, acc: dict[str, list[int]]) -> None:
+    def _process(self, task: _Task) -> None:
         slot, row = task.batch.slot, task.row
         dests = {ref: slot.arrays[n][row] for n, ref in self.out_refs.items() if n in slot.arrays}
         if self.gpu is not None and task.batch.gpu is not None:
             dests.update(self.gpu.dests(task.batch.gpu, row))
         values = dict(task.values)
         for stage in task.route:
-            ns, calls = [0] * len(stage.steps), [0] * len(stage.steps)
-            try:
-                stage.process(values, dests, ns, calls)
-            finally:
-                for st, t, c in zip(stage.steps, ns, calls, strict=True):
-                    a = acc.setdefault(f"{stage.plan.name}:{st.name}", [0, 0])
-                    a[0] += t
-                    a[1] += c
+            stage.process(values, dests)
         for name, ref in self.out_refs.items():
             if name in slot.ragged:
                 slot.ragged[name][row] = np.array(values[ref], copy=True)
@@ -219,10 +210,9 @@ class Executor:
                 task.batch.failures.append(ItemFailure(task.index, task.name, reason, detail))
 
         def worker() -> None:
-            acc: dict[str, list[int]] = {}
             while (task := work.get()) is not _END:
                 try:
-                    self._process(task, acc)
+                    self._process(task)
                 except ItemError as exc:
                     failed(task, exc.reason, exc.detail)
                 except BaseException as exc:  # carried to the consumer
@@ -231,11 +221,6 @@ class Executor:
                     if task.release:
                         task.release()
                 finish(task.batch)
-            with self._lock:
-                for k, (t, c) in acc.items():
-                    a = self.steps.setdefault(k, [0, 0])
-                    a[0] += t
-                    a[1] += c
 
         def on_row(task: _Task, values, why, release) -> None:
             if why is not None:
@@ -394,7 +379,7 @@ class Executor:
                 except queue.Full:
                     break
             for t in threads[: self.workers]:
-                t.join(timeout=5.0)  # their step times are merged as they exit
+                t.join(timeout=5.0)
 
     @staticmethod
     def _ok(b: _Open) -> np.ndarray:
@@ -430,7 +415,15 @@ class Executor:
         failures = sorted(b.failures, key=lambda f: f.index)
         return Batch(b.index, b.start, list(b.names), outputs, ok, failures, lat)
 
-    def step_ms_per_item(self) -> dict[str, float]:
-        """Per `stage:step`, the measured ms per item (one worker's time, not wall time)."""
-        with self._lock:
-            return {k: (t / 1e6 / c if c else 0.0) for k, (t, c) in self.steps.items()}
+    def step_times(self) -> list[tuple[StagePlan, dict[str, StepTime]]]:
+        """What each host stage's steps cost per item (see `StepTime`); the host's copy of a
+        DPU stage is listed only once it has run items taken back from the agent."""
+        stages = list(self.host)
+        if self.fallback is not self.host:
+            stages.insert(0, self.fallback[0])
+        out = []
+        for stage in stages:
+            times = stage.times()
+            if stage in self.host or any(t.calls for t in times.values()):
+                out.append((stage.plan, times))
+        return out

@@ -9,6 +9,7 @@ on the host, and a late result for an item already taken back is ignored: exactl
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import tempfile
 import threading
@@ -138,11 +139,12 @@ class RemoteFront:
             on_row(task, values, None, release)
 
     def remote_stats(self) -> dict[str, Any]:
-        """The agent's own measurement of the stage, or {} once it is gone."""
+        """The agent's own measurement of the stage's kernels (`cpu_ms_per_item`,
+        `wall_ms_per_item`, `steps`: see dpu_agents.server), or {} once it is gone."""
         if not self.alive:
             return {}
         try:
-            return self.client.stats().get("stages", {}).get(self.stage.name, {})
+            return self.client.stats().get("kernels", {}).get(self.stage.name, {})
         except AgentError:
             return {}
 
@@ -189,6 +191,7 @@ def open_front(
             auth.write_token(token_file)
             agent = stack.enter_context(LocalAgent(token_file, cores=device.cores))
             address = agent.address
+            stack.enter_context(cores_apart(agent.cores))
         else:
             if token_file is None:
                 raise DeviceError(
@@ -213,6 +216,27 @@ def open_front(
             batch_max_wait_ms=pipeline.batch_max_wait_ms,
         )
         yield RemoteFront(stage, client, rx, keys)
+
+
+@contextlib.contextmanager
+def cores_apart(taken: list[int]) -> Iterator[list[int]]:
+    """Confine the calling thread, and the threads it starts from now on (the executor's), to
+    the cores an emulated DPU's agent is not pinned to: the emulated DPU then really is a
+    separate set of cores, as a DPU's Arm cores are, and host and agent do not preempt each
+    other. The thread's previous affinity comes back on exit. Yields the host's cores."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield []
+        return
+    before = os.sched_getaffinity(0)
+    mine = sorted(before - set(taken))
+    if not mine or not taken:  # nothing to keep apart (one core, or an unpinned agent)
+        yield sorted(before)
+        return
+    os.sched_setaffinity(0, mine)
+    try:
+        yield mine
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:

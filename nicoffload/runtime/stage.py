@@ -7,6 +7,7 @@ kernel's build). Per item, `process` only calls the bound functions in order.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,39 +85,81 @@ def bind_steps(
     return steps
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """A step's measured cost per item: `cpu_ms` is the CPU time of the calling worker thread
+    inside the kernel (core-ms: what a profile's `a + b * work` predicts); `wall_ms` is the same
+    calls by the wall clock, which also counts the time the worker was descheduled or waited for
+    the GIL. Queue waits before and after the call are in neither."""
+
+    cpu_ms: float
+    wall_ms: float
+    calls: int
+
+
 class Stage:
-    """A StagePlan made runnable: `process(values, dests, timer)` runs one item through it."""
+    """A StagePlan made runnable: `process(values, dests)` runs one item through it, and
+    `times()` says what its steps have cost per item so far (summed over every worker)."""
 
     def __init__(self, pipeline: Pipeline, plan: StagePlan, keep: set[str]) -> None:
         self.plan = plan
         nodes = [pipeline.node(n) for n in plan.nodes]
         self.steps = bind_steps(pipeline, nodes, plan.kind, keep)
+        self._lock = threading.Lock()
+        self._cpu_ns = [0] * len(self.steps)
+        self._wall_ns = [0] * len(self.steps)
+        self._calls = [0] * len(self.steps)
+
+    def times(self) -> dict[str, StepTime]:
+        """Per step, the mean cost of the calls made so far (zeros before the first)."""
+        with self._lock:
+            return {
+                st.name: StepTime(cpu / 1e6 / n, wall / 1e6 / n, n) if n else StepTime(0.0, 0.0, 0)
+                for st, cpu, wall, n in zip(
+                    self.steps, self._cpu_ns, self._wall_ns, self._calls, strict=True
+                )
+            }
 
     def process(
         self,
         values: dict[str, Any],
         dests: Mapping[str, Any],
-        step_ns: list[int],
-        step_n: list[int],
+        step_ns: list[int] | None = None,
+        step_n: list[int] | None = None,
     ) -> None:
         """Run every step on one item; outputs with a destination are written straight into it.
 
-        `values` maps value keys to inputs and receives the produced values; `step_ns[i]` and
-        `step_n[i]` accumulate the time and the calls of step i. ItemError propagates.
+        `values` maps value keys to inputs and receives the produced values. Each call's time
+        is added to `times()`, and also to `step_ns[i]` (wall ns) and `step_n[i]` (calls) when
+        the caller passes them. ItemError propagates.
         """
-        for i, step in enumerate(self.steps):
-            args = [values[k] for k in step.reads]
-            targets = [dests.get(k) for k in step.writes]
-            direct = all(t is not None for t in targets)
-            out = (targets[0] if len(targets) == 1 else tuple(targets)) if direct else None
-            t0 = time.perf_counter_ns()
-            try:
-                result = step.fn(*args, out=out)
-            finally:
-                step_ns[i] += time.perf_counter_ns() - t0
-                step_n[i] += 1
-            results = (result,) if len(step.writes) == 1 else result
-            for key, value, target in zip(step.writes, results, targets, strict=True):
-                if target is not None and not direct:
-                    target[...] = value
-                values[key] = value
+        n = len(self.steps)
+        cpu, wall, calls = [0] * n, [0] * n, [0] * n
+        try:
+            for i, step in enumerate(self.steps):
+                args = [values[k] for k in step.reads]
+                targets = [dests.get(k) for k in step.writes]
+                direct = all(t is not None for t in targets)
+                out = (targets[0] if len(targets) == 1 else tuple(targets)) if direct else None
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                try:
+                    result = step.fn(*args, out=out)
+                finally:
+                    cpu[i] = time.thread_time_ns() - c0
+                    wall[i] = time.perf_counter_ns() - t0
+                    calls[i] = 1
+                results = (result,) if len(step.writes) == 1 else result
+                for key, value, target in zip(step.writes, results, targets, strict=True):
+                    if target is not None and not direct:
+                        target[...] = value
+                    values[key] = value
+        finally:
+            with self._lock:
+                for i in range(n):
+                    self._cpu_ns[i] += cpu[i]
+                    self._wall_ns[i] += wall[i]
+                    self._calls[i] += calls[i]
+            if step_ns is not None and step_n is not None:
+                for i in range(n):
+                    step_ns[i] += wall[i]
+                    step_n[i] += calls[i]

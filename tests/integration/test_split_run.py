@@ -75,7 +75,12 @@ def test_a_split_run_equals_the_all_host_run_exactly(images, host_outputs, token
     assert result.stats.failover is None
     np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[:300])
     doc = result.stats.to_json()
-    assert doc["stages"]["s0-dpu0"]["device"] == "dpu0"
+    dpu = doc["stages"]["s0-dpu0"]
+    assert dpu["device"] == "dpu0"
+    # the agent's own timing of its kernels, step by step
+    assert set(dpu["steps"]) == {"decode", "resize+crop"}
+    assert dpu["ms_per_item"] == pytest.approx(sum(dpu["steps"].values()), abs=1e-3)
+    assert dpu["ms_per_item"] > 0 and dpu["wall_ms_per_item"] > 0
     (transfer,) = doc["transfers"].values()
     assert transfer["bytes_per_item"] == 224 * 224 * 3 and transfer["batches"] >= 300 // 64
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -117,3 +118,56 @@ def test_outputs_reach_torch_through_dlpack_without_a_copy(tmp_path):
     tensors = result.torch()
     assert tensors["ids"].data_ptr() == result.outputs["ids"].ctypes.data
     assert torch.equal(tensors["ids"], torch.from_numpy(result.outputs["ids"]))
+
+
+def _tokenize_stage(tmp_path):
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner.plan import StagePlan
+    from nicoffload.runtime.stage import Stage
+
+    pipeline = load_pipeline(pipeline_file(tmp_path))
+    return Stage(pipeline, StagePlan("s0-cpu", "cpu", "cpu", ("tok",)), {"tok.input_ids"})
+
+
+def test_a_stage_counts_cpu_time_in_its_kernels_not_time_spent_waiting(tmp_path):
+    from dataclasses import replace
+
+    stage = _tokenize_stage(tmp_path)
+    (step,) = stage.steps
+
+    def waits(text, out=None):
+        time.sleep(0.05)  # descheduled: wall time passes, the thread's CPU clock does not
+        return step.fn(text, out=out)
+
+    stage.steps = [replace(step, fn=waits)]
+    for text in ("one", "two"):
+        stage.process({"text": text}, {})
+    (t,) = stage.times().values()
+    assert t.calls == 2
+    assert t.wall_ms >= 50 > t.cpu_ms > 0
+
+
+def test_a_run_reports_each_step_and_the_wall_time_beside_the_cpu_time(tmp_path):
+    doc = nicoffload.run(pipeline_file(tmp_path), TEXTS).stats.to_json()
+    (stage,) = doc["stages"].values()
+    assert set(stage["steps"]) == {"tok"}
+    assert stage["ms_per_item"] == pytest.approx(sum(stage["steps"].values()), abs=1e-3)
+    assert stage["wall_ms_per_item"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to share")
+def test_the_host_keeps_off_the_cores_of_an_emulated_dpu_while_it_runs():
+    import threading
+
+    from nicoffload.runtime.remote import cores_apart
+
+    before = os.sched_getaffinity(0)
+    taken = [min(before)]
+    seen = []
+    with cores_apart(taken) as mine:
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert os.sched_getaffinity(0) == set(mine) == before - set(taken)
+    assert seen == [before - set(taken)]  # threads started inside inherit it
+    assert os.sched_getaffinity(0) == before
