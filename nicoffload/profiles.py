@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nicoffload.errors import Mark, ProfileError
+from nicoffload.kerneltime import RING, busy_ms
 
 FORMAT = "nicoffload-profile"
 VERSION = 1
@@ -262,23 +263,9 @@ def _pipelines(directory: Path, quick: bool):
         yield load_pipeline(path), [{"text": words}]
 
 
-def _time_ms(fn, args, budget_s: float) -> float:
-    """Median ms per call over 5 rounds, after a warm-up."""
-    import statistics
-    import time
-
-    fn(*args)
-    t0 = time.perf_counter()
-    fn(*args)
-    once = max(time.perf_counter() - t0, 1e-6)
-    calls = max(1, int(budget_s / 5 / once))
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        rounds.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(rounds)
+def cores() -> int:
+    """The cores this process may run on: how many workers a run of this device keeps busy."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -312,9 +299,15 @@ def _upstream(pipeline, kind: str, inputs: dict) -> dict:
 
 
 def measure_kernels(
-    kind: str, *, quick: bool = False, budget_s: float = 0.25, progress=None
+    kind: str,
+    *,
+    quick: bool = False,
+    budget_s: float = 0.25,
+    progress=None,
+    threads: int | None = None,
 ) -> dict[str, KernelCost]:
-    """Run every kernel registered for `kind` on the sweep and fit each one's a + b * work."""
+    """Run every kernel registered for `kind` on the sweep, on `threads` workers at once (all
+    the cores this process may use, by default), and fit each one's a + b * work."""
     import tempfile
 
     from nicoffload import ops
@@ -339,13 +332,12 @@ def measure_kernels(
                 if at is not None:
                     chain = nodes[at : at + len(k.ops)]
                     fn = k.build(chain, pipeline.consumers(chain[-1].name))
-                    share = budget_s / len(valuesets)
-                    ms = sum(
-                        _time_ms(fn, [v[str(r)] for r in chain[0].inputs], share) for v in valuesets
-                    )
+                    args = [[v[str(r)] for r in chain[0].inputs] for v in valuesets]
+                    specs = list(chain[-1].out_specs.values())
+                    ms = busy_ms(fn, args, specs, threads or cores(), budget_s)
                     key = "+".join(k.ops)
                     work = chain_work(pipeline, [n.name for n in chain])
-                    points.setdefault(key, []).append((work, ms / len(valuesets)))
+                    points.setdefault(key, []).append((work, ms))
                     units[key] = chain[0].opdef().work_unit
                 if progress:
                     progress(advance=1)
@@ -415,26 +407,35 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": model,
-        "cores": cores,
+        "cores": cores(),
         "host": platform.node(),
         "python": platform.python_version(),
     }
 
 
 def measure(
-    kind: str = "cpu", *, quick: bool = False, progress=None, budget_s: float = 0.25
+    kind: str = "cpu",
+    *,
+    quick: bool = False,
+    progress=None,
+    budget_s: float = 0.25,
+    threads: int | None = None,
 ) -> Profile:
     """A measured profile of this machine's cores run as `kind` (cpu, or dpu on a DPU)."""
     import datetime
 
-    kernels = measure_kernels(kind, quick=quick, progress=progress, budget_s=budget_s)
+    threads = threads or cores()
+    kernels = measure_kernels(
+        kind, quick=quick, progress=progress, budget_s=budget_s, threads=threads
+    )
     links = measure_links(quick=quick) if kind in ("cpu", "dpu") else {}
     sizes = ", ".join(f"{h}x{w}" for h, w in (IMAGE_SIZES[:3] if quick else IMAGE_SIZES))
     method = (
-        f"measured: each registered {kind} kernel on one thread, median of 5 rounds per size, "
+        f"measured: each registered {kind} kernel on {threads} worker threads at once (every "
+        f"core busy, as in a run), each going round {RING} items with their own input and "
+        "output buffers; CPU time per call of each worker, median of 5 rounds per size, "
         f"on JPEGs of {sizes} (resize to 0.7x, so decode scales 6/8) and texts of "
         f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
         "links: loopback TCP and a memcpy"

@@ -131,3 +131,46 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     assert seen[0][0] == 5 * len(expect) and sum(a for _, a in seen) == seen[0][0]
     p.save(tmp_path / "cpu.json")
     assert load_profile(tmp_path / "cpu.json").kernels.keys() == p.kernels.keys()
+
+
+def test_profiling_keeps_every_worker_busy_each_item_in_its_own_buffers() -> None:
+    import threading
+
+    from nicoffload import kerneltime
+    from nicoffload.graph import TensorSpec
+
+    calls = []
+    lock = threading.Lock()
+
+    def kernel(data, out=None):
+        with lock:
+            calls.append((threading.get_ident(), id(data), id(out)))
+        out[...] = len(data)
+        return out
+
+    variants = [[b"first photo"], [b"second photo"]]
+    ms = kerneltime.busy_ms(kernel, variants, [TensorSpec("uint8", (4,))], 3, budget_s=0.01)
+    assert ms >= 0
+    threads = {t for t, _, _ in calls}
+    assert len(threads) == 3
+    for t in threads:
+        mine = [(d, o) for u, d, o in calls if u == t]
+        assert len({d for d, _ in mine}) == kerneltime.RING  # inputs copied per item
+        assert len({o for _, o in mine}) == kerneltime.RING  # a destination per item
+    assert len({d for _, d, _ in calls}) == 3 * kerneltime.RING  # no buffer shared by workers
+    assert not any(d in {id(v[0]) for v in variants} for _, d, _ in calls)
+
+
+def test_profiling_leaves_ragged_outputs_to_the_kernel() -> None:
+    from nicoffload import kerneltime
+    from nicoffload.graph import Dim, TensorSpec
+
+    outs = []
+
+    def kernel(data, out=None):
+        outs.append(out)
+        return data
+
+    spec = TensorSpec("uint8", (Dim("H", 375), Dim("W", 500), 3))
+    kerneltime.busy_ms(kernel, [[b"x"]], [spec], 1, budget_s=0.001)
+    assert outs and all(o is None for o in outs)
