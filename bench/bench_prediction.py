@@ -3,7 +3,9 @@
 Plans `pipelines/resnet50.yaml` for this machine's local topology (host CPU + an emulated DPU:
 a local agent pinned to a core share), and for the host alone, after `nicoffload profile`; runs
 each plan on ImageNet-size JPEGs (the pipeline's `typical` size, which is what the planner
-prices) and compares each stage's predicted ms/item with the measured one.
+prices) and compares each stage's predicted ms/item with the measured one: the CPU time its
+kernels took per item (`run --json`'s `ms_per_item`, core-ms like the prediction), with the wall
+time of the same calls beside it. The load average before and after each run is recorded.
 
     python bench/bench_prediction.py [--items 400] [--json] [--record bench/RESULTS_prediction.md]
 """
@@ -25,7 +27,7 @@ from PIL import Image
 
 import nicoffload
 from nicoffload.planner import plan_for
-from nicoffload.profiles import measured_path
+from nicoffload.profiles import load_profile, measured_path
 from nicoffload.runner import RunStats, prepare, stream
 from nicoffload.samples import sample_image
 from nicoffload.topology import local_topology
@@ -48,6 +50,10 @@ def typical_jpegs(n: int, h: int, w: int) -> list[bytes]:
         arr = np.ascontiguousarray(np.asarray(img)[top : top + h, left : left + w])
         out.append(simplejpeg.encode_jpeg(arr, quality=90, colorsubsampling="420"))
     return out
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
 
 
 def measure(pipeline, topology, images: list[bytes]) -> tuple[dict, RunStats]:
@@ -79,42 +85,52 @@ def main() -> None:
         nicoffload.run(
             pipeline, images[:32], plan=plan_for(pipeline, topo), topology=topo
         )  # warm-up
+        before = loadavg()
         plan, stats = measure(pipeline, topo, images)
+        load = f"{before} -> {loadavg()}"
         doc = stats.to_json()
-        runs[label] = {"plan_placement": plan["placement"], "run": doc}
+        runs[label] = {"plan_placement": plan["placement"], "run": doc, "loadavg_1min": load}
         for name, st in doc["stages"].items():
+            pred, wall = st["predicted_ms_per_item"], st.get("wall_ms_per_item")
             rows.append(
                 (
                     label,
                     name,
                     st["device"],
                     "+".join(st["nodes"]),
-                    st["predicted_ms_per_item"],
+                    pred,
                     st["ms_per_item"],
                     st["error_pct"],
+                    wall,
+                    None if not wall else round(100 * (pred - wall) / wall, 1),
+                    load,
                 )
             )
     if args.json:
         print(json.dumps({"rows": rows, "runs": runs}, indent=2))
         return
     lines = [
-        "| topology | stage | device | nodes | predicted ms/item | measured ms/item | error | within 25% |",
-        "|---|---|---|---|---:|---:|---:|---|",
+        "| topology | stage | device | nodes | predicted ms/item | measured (kernel CPU) ms/item "
+        "| error | within 25% | kernel wall ms/item | error vs wall | load 1 min |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|---|",
     ]
-    for label, name, dev, nodes, pred, meas, err in rows:
+    for label, name, dev, nodes, pred, meas, err, wall, werr, load in rows:
         ok = "yes" if err is not None and abs(err) <= TARGET_PCT else "**no**"
         lines.append(
-            f"| {label} | {name} | {dev} | {nodes} | {pred:.3f} | {meas:.3f} | {err:+.1f}% | {ok} |"
+            f"| {label} | {name} | {dev} | {nodes} | {pred:.3f} | {meas:.3f} | {err:+.1f}% | {ok} "
+            f"| {wall:.3f} | {werr:+.1f}% | {load} |"
         )
     table = "\n".join(lines)
     print(table)
     if args.record:
+        prof = load_profile(measured_path("cpu"))
         head = (
             f"## Planner prediction vs measurement (`bench/bench_prediction.py`)\n\n"
             f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC\n"
             f"- machine: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, Python {platform.python_version()}\n"
             f"- command: `python bench/bench_prediction.py --items {args.items} --record {args.record}`\n"
-            f"- items: {args.items} JPEGs of the pipeline's typical size; profile: {measured_path('cpu')}\n\n"
+            f"- items: {args.items} JPEGs of the pipeline's typical size; profile: {measured_path('cpu')} "
+            f"({prof.date}; {prof.method})\n\n"
         )
         args.record.write_text(head + table + "\n")
 

@@ -27,7 +27,9 @@ def profile(
     json_out: bool = typer.Option(False, "--json", help="print the profile as JSON"),
 ) -> None:
     """Run every registered kernel of a device over a range of input sizes, fit `a + b * work`,
-    measure the local transports, and write the profile (machine, date and method included)."""
+    measure the local transports, and write the profile (machine, date and method included).
+    Kernels are timed as a run executes them: one worker per core, all busy at once, each item
+    in its own buffers; the fitted figure is each worker's CPU time per call."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nicoffload.errors import DeviceError, ProfileError

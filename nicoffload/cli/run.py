@@ -73,13 +73,15 @@ def run(
         None, "--token-file", help="the shared secret of the DPU agents the topology names"
     ),
     workers: int | None = typer.Option(
-        None, "--workers", min=1, help="worker threads (default: usable cores)"
+        None, "--workers", min=1, help="worker threads (default: the host's cores in the topology)"
     ),
     seed: int = typer.Option(0, "--seed", help="seed for --sample"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     """Run a pipeline over a folder of files or generated samples; print throughput, latency,
-    per-stage time and host-CPU time. Corrupt items are counted by reason, never fatal."""
+    per-stage time and host-CPU time. Corrupt items are counted by reason, never fatal. A stage's
+    ms/item is the CPU time its kernels took per item in the worker that ran them (core-ms, as
+    the planner predicts it; queue waits excluded); --json adds the calls' wall time."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
     prep = prepare(pipeline, plan, topology, token_file)
