@@ -5,6 +5,7 @@ busy at once, each item in its own input and output buffers, and each worker's C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # Items each profiling worker goes round, each with its own input and output buffers: more than
@@ -23,15 +24,25 @@ def _own(value: Any) -> Any:
     return value
 
 
-def busy_ms(fn, variants: list[list[Any]], specs: list, threads: int, budget_s: float) -> float:
+def busy_ms(
+    fn,
+    variants: list[list[Any]],
+    specs: list,
+    threads: int,
+    budget_s: float,
+    clock: Callable[[], float] | None = None,
+) -> float:
     """CPU ms per call of `fn` while `threads` workers call it at once, as a run keeps every
     worker busy: each worker goes round its own RING items (the variants' inputs, copied) and,
     when every output is static, writes each result into the item's own destination, as a run
     writes into batch-slot rows; the median over 5 rounds of every worker's CPU time per call
-    (the thread's CPU clock: what a core spends, not time spent descheduled)."""
+    (the thread's CPU clock: what a core spends, not time spent descheduled). `clock` replaces
+    that clock (a GPU kernel's cost is not the calling thread's CPU time: time.perf_counter)."""
     import statistics
     import threading
     import time
+
+    clock = clock or time.thread_time
 
     import numpy as np
 
@@ -49,17 +60,17 @@ def busy_ms(fn, variants: list[list[Any]], specs: list, threads: int, budget_s: 
                 outs = [r[0] if len(r) == 1 else tuple(r) for r in rows]
             for j in range(RING):  # warm-up: scratch buffers, first touch of every page
                 fn(*args[j], out=outs[j])
-            c0 = time.thread_time()
+            c0 = clock()
             fn(*args[0], out=outs[0])
-            once = max(time.thread_time() - c0, 1e-6)
+            once = max(clock() - c0, 1e-6)
             calls = max(RING, int(budget_s / 5 / once))
             mine = []
             for _ in range(5):
                 barrier.wait()
-                c0 = time.thread_time()
+                c0 = clock()
                 for j in range(calls):
                     fn(*args[j % RING], out=outs[j % RING])
-                mine.append((time.thread_time() - c0) / calls * 1e3)
+                mine.append((clock() - c0) / calls * 1e3)
             with lock:
                 per_call.extend(mine)
         except BaseException as exc:

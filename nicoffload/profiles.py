@@ -309,6 +309,7 @@ def measure_kernels(
     """Run every kernel registered for `kind` on the sweep, on `threads` workers at once (all
     the cores this process may use, by default), and fit each one's a + b * work."""
     import tempfile
+    import time
 
     from nicoffload import ops
     from nicoffload.planner.cost import chain_work
@@ -334,7 +335,10 @@ def measure_kernels(
                     fn = k.build(chain, pipeline.consumers(chain[-1].name))
                     args = [[v[str(r)] for r in chain[0].inputs] for v in valuesets]
                     specs = list(chain[-1].out_specs.values())
-                    ms = busy_ms(fn, args, specs, threads or cores(), budget_s)
+                    if kind == "gpu":  # one host thread feeds the GPU; its time is wall time
+                        ms = busy_ms(fn, args, specs, 1, budget_s, time.perf_counter)
+                    else:
+                        ms = busy_ms(fn, args, specs, threads or cores(), budget_s)
                     key = "+".join(k.ops)
                     work = chain_work(pipeline, [n.name for n in chain])
                     points.setdefault(key, []).append((work, ms))
@@ -432,10 +436,15 @@ def measure(
     )
     links = measure_links(quick=quick) if kind in ("cpu", "dpu") else {}
     sizes = ", ".join(f"{h}x{w}" for h, w in (IMAGE_SIZES[:3] if quick else IMAGE_SIZES))
+    how = (
+        "one host thread, wall time per call"
+        if kind == "gpu"
+        else f"{threads} worker threads at once (every core busy, as in a run), "
+        "CPU time per call of each worker"
+    )
     method = (
-        f"measured: each registered {kind} kernel on {threads} worker threads at once (every "
-        f"core busy, as in a run), each going round {RING} items with their own input and "
-        "output buffers; CPU time per call of each worker, median of 5 rounds per size, "
+        f"measured: each registered {kind} kernel on {how}, each worker going round {RING} "
+        "items with their own input and output buffers, median of 5 rounds per size, "
         f"on JPEGs of {sizes} (resize to 0.7x, so decode scales 6/8) and texts of "
         f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
         "links: loopback TCP and a memcpy"
