@@ -20,11 +20,13 @@ import numpy as np
 from nicoffload.planner.branches import Chains, suffixes
 from nicoffload.planner.evaluate import REL_TOL, Goal
 from nicoffload.planner.flow import FlowProblem, Outcome, placement
+from nicoffload.planner.search import pack
 
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
 NARROW = 1e-3  # quick refutations narrow a load bound to this before a long search
 REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
 DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
+POLISH_S = 0.3  # the most one local search (search.py) may take
 
 
 @dataclass
@@ -98,6 +100,18 @@ class _Search:
             self.refute_s = min(REFUTE_S[1], max(self.refute_s, took))
         return o
 
+    def polish(self, o: Outcome | None, target: float, h_cap: float, bound: float):
+        """`o`, or a less loaded packing within the same caps that the local search finds
+        from it. Not for a runner-up: the search cannot see `differ`."""
+        if o is None or o.paths is None or self.differ is not None or self.left() <= 0:
+            return o
+        got = pack(
+            self.model, self.classes, o.paths, target, h_cap, bound, min(POLISH_S, self.left())
+        )
+        if got is None or got.t >= o.t:
+            return o
+        return Outcome("found", got.paths, 0.0, -np.inf, got.t, got.h)
+
     def latency(self, paths: list[np.ndarray]) -> float:
         return max(float(ch.latency(p).max()) for ch, p in zip(self.classes, paths, strict=True))
 
@@ -136,6 +150,11 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
         if lp.status == "infeasible":
             return _Stage(None, np.inf, 0.0, True)
         lo = lp.bound  # a cap at lo or under is infeasible
+
+    def better(o: Outcome | None) -> Outcome | None:  # polished towards the proven bound
+        return s.polish(o, lo * (1 + 4 * REL_TOL), h_cap, bound)
+
+    best = better(best)
     hard: list[float] = []  # caps a quick try could not refute: higher ones are no easier
     while s.left() > 0:
         top = min(t_cap, best.t * BELOW) if best is not None else t_cap
@@ -157,7 +176,7 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
             else:
                 hi = cap
         if isinstance(hi, Outcome):  # found a better packing
-            best = hi
+            best = better(hi)
             continue
         if hi is None:
             lo = top
@@ -166,7 +185,7 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
         if o.status == "infeasible":
             lo = hi
         elif o.paths is not None:
-            best = o
+            best = better(o)
         else:
             break
     if best is None:

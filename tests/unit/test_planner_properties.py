@@ -17,7 +17,9 @@ from nicoffload.planner.branches import chain_classes
 from nicoffload.planner.cost import CostModel, Group, TensorRef, routes
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, brute_force, evaluate
+from nicoffload.planner.flow import placement
 from nicoffload.planner.milp import solve_milp, solve_nodes
+from nicoffload.planner.search import pack
 from nicoffload.planner.solve import solve
 from nicoffload.topology import Device, Link, Topology
 
@@ -293,3 +295,44 @@ def test_parallel_chains_are_planned_exactly_as_branch_classes(seed: int) -> Non
 def test_the_runner_up_of_parallel_chains_is_the_second_best_placement(seed: int) -> None:
     model = random_branches(seed)
     _runner_up_is_the_second_best(model, random_goal(model, seed))
+
+
+def _random_paths(model: CostModel, rng: np.random.Generator) -> list[np.ndarray]:
+    """Per class of chains, each copy on a random path of its state graph."""
+    out = []
+    for ch in chain_classes(model):
+        rows = []
+        for _ in range(ch.copies):
+            s, arcs = 0, []
+            while s != ch.sink:
+                a = int(rng.choice(np.flatnonzero(ch.tail == s)))
+                arcs.append(a)
+                s = int(ch.head[a])
+            rows.append(arcs)
+        out.append(np.array(rows, np.intp))
+    return out
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(SEEDS)
+def test_the_packing_search_keeps_its_caps_and_never_returns_worse_than_its_start(seed):
+    model = random_branches(seed)
+    classes = chain_classes(model)
+    rng = np.random.default_rng(seed)
+    start = _random_paths(model, rng)
+    m0 = evaluate(model, placement(model, classes, start)[None, :])
+    h_cap = float(m0.host[0]) * rng.uniform(0.5, 1.5)
+    lat_cap = float(m0.latency[0]) * rng.uniform(0.5, 1.5)
+    got = pack(model, classes, start, 0.0, h_cap, lat_cap, budget_s=5.0, seed=seed)
+    start_ok = m0.ok[0] and m0.host[0] <= h_cap and m0.latency[0] <= lat_cap
+    if got is None:
+        assert not start_ok
+        return
+    m = evaluate(model, placement(model, classes, got.paths)[None, :])
+    assert m.ok[0], "a kernel, pin or memory limit was broken"
+    assert m.host[0] <= h_cap * (1 + 1e-6) + 1e-12
+    assert m.latency[0] <= lat_cap * (1 + 1e-6) + 1e-12
+    assert m.bottleneck[0] == pytest.approx(got.t, rel=1e-9)
+    assert m.host[0] == pytest.approx(got.h, rel=1e-9, abs=1e-12)
+    if start_ok:
+        assert got.t <= m0.bottleneck[0] * (1 + 1e-9)
