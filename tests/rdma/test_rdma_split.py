@@ -12,15 +12,32 @@ from dpu_agents import auth
 from dpu_agents.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, single_device_plan, stages_for
-from nicoffload.samples import sample_images
 from nicoffload.topology import Device, Link, Topology
 
 PIPELINE = load_pipeline("pipelines/resnet50.yaml")
 SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
 
 
+# Small JPEGs of several shapes and both chroma layouts: what is under test is the split and the
+# bytes over verbs, not the decoder (tests/unit has the corpus); the corpus's megapixel images
+# cost about 3.5 s each to make and as much again to decode under QEMU's software CPU.
+SHAPES = [
+    (320, 256, "420"), (256, 344, "444"), (300, 300, "422"),
+    (400, 260, "420"), (264, 280, "444"), (352, 288, "420"),
+]  # fmt: skip
+
+
 def images() -> list[bytes]:
-    return [b for _, b in sample_images(48, seed=3)]
+    import simplejpeg
+
+    rng = np.random.default_rng(3)
+    out = []
+    for w, h, sub in SHAPES:
+        yy, xx = np.mgrid[:h, :w]
+        px = np.stack([xx * 200 // w, yy * 200 // h, (xx + yy) * 200 // (w + h)], axis=-1)
+        px += rng.integers(0, 56, px.shape)
+        out.append(simplejpeg.encode_jpeg(px.astype(np.uint8), 85, colorsubsampling=sub))
+    return out
 
 
 def host_plan() -> Plan:

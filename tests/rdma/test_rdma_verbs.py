@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+import traceback
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,34 +17,55 @@ from nicoffload.transport import connect, listen, verbs
 from nicoffload.transport.rdma import HEAD_BYTES, RdmaReceiver
 
 ADDRESS = "rdma://127.0.0.1:0"
-PEER = textwrap.dedent(
-    """
-    import contextlib, sys, time, numpy as np
-    from nicoffload.transport import connect, listen, register_scheme
-    with contextlib.suppress(ValueError):  # registered already (tests/rdma/site)
-        register_scheme("rdma", "nicoffload.transport.rdma")
-    role, where = sys.argv[1], sys.argv[2]
-    if role == "sender":
-        tx = connect(where, timeout=10)
-        print("up", flush=True)
-        while True:
-            tx.send([np.ones(1 << 16, np.uint8)])
-    rx = listen("rdma://127.0.0.1:0", slots=2, slot_bytes=1 << 16)
-    print(rx.address, flush=True)
-    rx.recv(timeout=30)  # the first batch, never released: the sender runs out of credits
-    time.sleep(60)
-    """
-)
 
 
 def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def peer(role: str, where: str = "-") -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", PEER, role, where], stdout=subprocess.PIPE, text=True
-    )
+class Peer:
+    """The other end in a forked child: a process of its own, to kill mid-transfer, that starts
+    in milliseconds (a fresh interpreter imports numpy and nicoffload for many seconds under
+    QEMU's software CPU). It reports on a pipe: "up" (a sender), or its address (a receiver)."""
+
+    def __init__(self, role: str, where: str = "-") -> None:
+        r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never back into pytest
+            code = 1
+            try:
+                os.close(r)
+                self._run(role, where, os.fdopen(w, "w", buffering=1))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(w)
+        self.lines = os.fdopen(r)
+
+    @staticmethod
+    def _run(role: str, where: str, report: Any) -> None:
+        if role == "sender":
+            tx = connect(where, timeout=10)
+            report.write("up\n")
+            while True:
+                tx.send([np.ones(1 << 16, np.uint8)])
+        rx = listen(ADDRESS, slots=2, slot_bytes=1 << 16)
+        report.write(f"{rx.address}\n")
+        rx.recv(timeout=30)  # the first batch, never released: the sender runs out of credits
+        time.sleep(60)
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye; idempotent."""
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = 0
+
+    def close(self) -> None:
+        self.kill()
+        self.lines.close()
 
 
 def test_write_with_imm_lands_the_bytes_and_delivers_the_immediate() -> None:
@@ -111,14 +131,13 @@ def test_a_head_bigger_than_its_area_is_refused_and_the_sender_stays_usable() ->
 def test_a_sender_killed_mid_transfer_fails_recv_and_the_receiver_closes_clean() -> None:
     fds = open_fds()
     rx = listen(ADDRESS, slots=2, slot_bytes=1 << 16)
-    proc = peer("sender", rx.address)
+    peer = Peer("sender", rx.address)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert peer.lines.readline().strip() == "up"
         first = rx.recv(timeout=10)
         assert first is not None and first.tensors["0"].sum() == 1 << 16
         rx.release(first)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        peer.kill()
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="disconnected without SHUTDOWN"):
             while True:
@@ -127,9 +146,7 @@ def test_a_sender_killed_mid_transfer_fails_recv_and_the_receiver_closes_clean()
                 rx.release(d)
         assert time.monotonic() - t0 < 5
     finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+        peer.close()
         rx.close()
     assert isinstance(rx, RdmaReceiver)
     assert open_fds() == fds
@@ -137,21 +154,17 @@ def test_a_sender_killed_mid_transfer_fails_recv_and_the_receiver_closes_clean()
 
 def test_a_receiver_killed_mid_transfer_fails_send_and_the_sender_closes_clean() -> None:
     fds = open_fds()
-    proc = peer("receiver")
+    peer = Peer("receiver")
     try:
-        assert proc.stdout is not None
-        tx = connect(proc.stdout.readline().strip(), timeout=10)
+        tx = connect(peer.lines.readline().strip(), timeout=10)
         tx.send([np.ones(1 << 16, np.uint8)], timeout=5)
         tx.send([np.ones(1 << 16, np.uint8)], timeout=5)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        peer.kill()
         with pytest.raises(TransportError, match=r"closed the connection|failed"):
             tx.send([np.ones(1 << 16, np.uint8)], timeout=10)
         with pytest.raises(TransportError, match="failed earlier"):
             tx.send([np.ones(1)], timeout=1)
         tx.close()
     finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+        peer.close()
     assert open_fds() == fds

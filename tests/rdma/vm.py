@@ -34,9 +34,16 @@ APT = [
 ]  # fmt: skip
 MODULES = ["virtio_pci", "9pnet_virtio", "9p", "crc32_generic", "ib_uverbs", "rdma_rxe", "dummy"]
 # rdma_rxe asks the crypto API for "crc32" (its ICRC): without a provider, adding a link is ENOENT
+SMP = int(os.environ.get("NICOFFLOAD_RDMA_VM_SMP", "1"))
+THREAD = "multi" if SMP > 1 else "single"
 QBOOT = Path("/usr/share/qemu/qboot.rom")
-GUEST_PYVERBS = "/tmp/pyverbs-path"
-PYTEST = ".venv/bin/python -m pytest -q -p no:cacheprovider -rs --durations=8 tests/rdma"  # what make test-rdma runs  # a folder holding only the pyverbs package (a link)
+GUEST_PYVERBS = "/tmp/pyverbs-path"  # a folder holding only the pyverbs package (a link)
+# What make test-rdma runs. No entry-point plugins: hypothesis alone costs ~25 s to import under
+# TCG (at the terminal summary), pytest-benchmark and anyio ~3 s each; tests/rdma uses none.
+PYTEST = (
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 .venv/bin/python -m pytest -q -p no:cacheprovider -rs"
+    " --durations=8 tests/rdma"
+)
 
 INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -244,7 +251,8 @@ def run(command: str, *, timeout: float = 240.0, env: dict[str, str] | None = No
     numba = warm_numba()
     share = "local,security_model=none,id="
     qemu = [
-        "qemu-system-x86_64", "-accel", "tcg", "-M", "pc", "-cpu", "max", "-smp", "1",
+        "qemu-system-x86_64", "-accel", f"tcg,thread={THREAD}", "-M", "pc", "-cpu", "max",
+        "-smp", str(SMP),
         "-m", "1024", "-bios", str(QBOOT), "-kernel", str(vmlinux), "-initrd", str(initramfs),
         "-append", "console=ttyS0 quiet panic=-1 random.trust_cpu=on",
         "-display", "none", "-no-reboot", "-serial", f"file:{serial}", "-net", "none",
