@@ -21,7 +21,7 @@ import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
 from nicoffload.transport import verbs
-from nicoffload.transport.base import MAX_SLOTS, Receiver, Sender
+from nicoffload.transport.base import MAX_SLOTS, Sender
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import (
     HEADER_SIZE,
@@ -33,13 +33,12 @@ from nicoffload.transport.frame import (
     Welcome,
     decode_meta,
     encode,
-    error_frame,
     error_from_frame,
     head_size,
 )
 from nicoffload.transport.slots import Delivery, Ledger, Packer, Tensors, Unpacker, slot_view
 from nicoffload.transport.slots import stride as slot_stride
-from nicoffload.transport.stream import HANDSHAKE_TIMEOUT, _expect
+from nicoffload.transport.stream import _EOF, HANDSHAKE_TIMEOUT, OneSenderReceiver, _expect
 
 DEVICE_ENV = "NICOFFLOAD_RDMA_DEVICE"  # this side's verbs device, when not the first one
 HEAD_BYTES = 4096  # per slot: the DATA frame head (64-byte header + metadata) lands here
@@ -244,103 +243,46 @@ def _remote(segment: str) -> tuple[verbs.Peer, int, int]:
         raise FrameError(f"malformed frame: meta: rdma endpoint {segment!r}") from None
 
 
-class RdmaReceiver(Receiver):
-    """Owns the registered ring; a helper thread accepts one sender and connects the QPs, then
+class RdmaReceiver(OneSenderReceiver):
+    """Owns the registered ring; the helper thread accepts one sender and connects the QPs, then
     recv waits on the completion channel and the control socket in the caller's thread."""
+
+    transport = "rdma"
 
     def __init__(
         self, address: str, listener: socket.socket, device: str, slots: int, slot_bytes: int
     ) -> None:
-        self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
-        self._listener = listener
         self._ep = verbs.Endpoint(device, send_depth=slots + 4, recv_depth=slots + 4)
         try:
             self._buf, ring, self._heads = _ring(slots, slot_bytes)
             self._mr = self._ep.register(self._buf, remote=True)
+            self._unpack = Unpacker(ring, slot_bytes)
+            self._ledger = Ledger(f"receiver at {address}")
+            self._queue: collections.deque[Delivery] = collections.deque()
+            super().__init__(address, listener, slots, slot_bytes)
         except BaseException:
             self._ep.close()
             raise
-        self._unpack = Unpacker(ring, slot_bytes)
-        self._ledger = Ledger(f"receiver at {address}")
-        self._queue: collections.deque[Delivery] = collections.deque()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._ch: Channel | None = None
-        self._lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._ready = threading.Event()
-        self._final: object = None  # "eof" or the error, for good
-        self._closed = False
-        self._helper = threading.Thread(target=self._serve, name=f"recv {address}", daemon=True)
-        self._helper.start()
 
-    def _serve(self) -> None:
-        import select
-
-        poll = select.poll()
-        poll.register(self._listener, select.POLLIN)
-        poll.register(self._wake_r, select.POLLIN)
-        try:
-            while not self._closed:
-                poll.poll()
-                if not self._closed and self._handshake():
-                    self._listener.close()
-                    break
-        except OSError as exc:
-            self._final = TransportError(f"receiver at {self.address}: accept failed: {exc}")
-        finally:
-            self._ready.set()
-
-    def _handshake(self) -> bool:
-        sock, _ = self._listener.accept()
-        ch = Channel(sock, f"sender to {self.address}")
-        with self._lock:
-            self._ch = ch
-        try:
-            hello = decode_meta(_expect(ch, Kind.HELLO, HANDSHAKE_TIMEOUT), Hello)
-            if hello.transport != "rdma":
-                raise FrameError(f"a {hello.transport} sender, this is a rdma ring")
-            segment = f"{self._ep.me.encode()}|{self._mr.buf}|{self._mr.rkey}"
-            ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, segment)))
-            peer = verbs.Peer.decode(decode_meta(_expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT), str))
-            self._ep.connect(peer)
-            ch.send(encode(Header(Kind.ACK)))
-            return True
-        except TransportError as exc:
-            with self._lock:
-                self._ch = None
-            if not self._closed:
-                log.warning("receiver at %s: refused a connection: %s", self.address, exc)
-                ch.post(error_frame(exc), _DONTWAIT)
-            ch.close()
-            return False
+    def _shake(self, ch: Channel) -> None:
+        segment = f"{self._ep.me.encode()}|{self._mr.buf}|{self._mr.rkey}"
+        ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, segment)))
+        peer = verbs.Peer.decode(decode_meta(_expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT), str))
+        self._ep.connect(peer)
+        ch.send(encode(Header(Kind.ACK)))
 
     def recv(self, timeout: float | None = None) -> Delivery | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._recv_lock:
-            if self._closed:
-                raise TransportError(f"receiver at {self.address} is closed")
-            if not self._ready.wait(timeout):
-                raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
-            if self._closed:
-                raise TransportError(f"receiver at {self.address} is closed")
-            if self._ch is None:
-                raise self._final  # type: ignore[misc]
+            ch = self._sender(timeout)
             while not self._queue:
-                if self._final == "eof":
+                if self._final is _EOF:
                     return None
                 if self._final is not None:
                     raise self._final  # type: ignore[misc]
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    got = self._step(self._ch, left)
-                except TransportError as exc:
-                    if self._closed:
-                        raise TransportError(f"receiver at {self.address} is closed") from exc
-                    if isinstance(exc, FrameError):
-                        self._ch.post(error_frame(exc), _DONTWAIT)
-                    self._ch.shutdown()
-                    self._final = exc
-                    raise
+                with self._final_on_error(ch):
+                    got = self._step(ch, left)
                 waited_out = deadline is not None and time.monotonic() >= deadline
                 if not got and not self._queue and self._final is None and waited_out:
                     raise TransportError(f"receiver at {self.address}: no batch within {timeout} s")
@@ -373,7 +315,7 @@ class RdmaReceiver(Receiver):
             if self._final is not None:
                 raise FrameError(f"malformed frame: a batch after the goodbye (immediate {imm})")
             if imm == verbs.IMM_GOODBYE:
-                self._final = "eof"
+                self._final = _EOF
                 continue
             if imm >= self.slots:
                 raise FrameError(f"malformed frame: slot: immediate {imm}, ring of {self.slots}")
@@ -399,24 +341,10 @@ class RdmaReceiver(Receiver):
         except TransportError as exc:  # the sender is gone: recv says how
             log.debug("%s: credit not sent: %s", self.address, exc)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            ch = self._ch
-        self._wake_w.send(b"x")
-        if ch is not None:
-            ch.post(_SHUTDOWN, _DONTWAIT)
-            ch.shutdown()  # wakes a recv or a handshake blocked on it
-        self._helper.join()
-        with self._recv_lock:
-            for resource in (ch, self._listener, self._wake_r, self._wake_w):
-                if resource is not None:
-                    resource.close()
-            self._ledger.close()
-            self._queue.clear()
-            self._ep.close()
+    def _free(self) -> None:
+        self._ledger.close()
+        self._queue.clear()
+        self._ep.close()
 
 
 def connect(

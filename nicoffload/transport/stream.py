@@ -193,22 +193,18 @@ class StreamSender(Sender):
             self._detach()
 
 
-class StreamReceiver(Receiver):
-    """A Receiver whose helper thread accepts one sender and shakes hands with it; then recv
-    reads frames in the caller's thread (no hand-off between threads per batch), or, with
-    `read_ahead`, the helper thread goes on reading DATA into the ring and queues deliveries."""
+class OneSenderReceiver(Receiver):
+    """What every receiver of one sender over a control Channel shares: a helper thread accepts
+    the sender and shakes hands with it (`_shake`), recv first waits for that (`_sender`), a
+    failure while receiving is final (`_final_on_error`), and close wakes whoever waits, then
+    frees everything (`_free`, a subclass's own). A subclass sets its own state, then calls
+    `__init__` here last: the helper thread starts at its end."""
 
     transport = "stream"
-    # The payload is on the socket (tcp): a sender holding credits must not wait on recv().
-    read_ahead = False
 
-    def __init__(
-        self, address: str, listener: socket.socket, slots: int, slot_bytes: int, ring: np.ndarray
-    ) -> None:
+    def __init__(self, address: str, listener: socket.socket, slots: int, slot_bytes: int) -> None:
         self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
         self._listener = listener
-        self._unpack = Unpacker(ring, slot_bytes)
-        self._inbox = Inbox(f"receiver at {address}")  # the queue is used with read_ahead only
         self._wake_r, self._wake_w = socket.socketpair()
         self._ch: Channel | None = None
         self._lock = threading.Lock()  # guards _ch and _closed against close()
@@ -216,30 +212,25 @@ class StreamReceiver(Receiver):
         self._ready = threading.Event()  # set when a sender is connected, or never will be
         self._final: object = None  # _EOF or the error, for good
         self._closed = False
-        self._credits: dict[int, bytes] = {}  # the CREDIT frame of each slot, packed once
-        self._pending: list[bytes] = []  # credits held back, to send in one write
-        self._credit_batch = max(1, slots // CREDIT_BATCH)
-        self._credit_lock = threading.Lock()
-        self._recv_waits = False
         self._helper = threading.Thread(target=self._serve, name=f"recv {address}", daemon=True)
         self._helper.start()
 
-    # hooks for the data path
-    def _welcome(self) -> Welcome:
-        return Welcome(self.slots, self.slot_bytes)
-
+    # hooks
     def _accepted(self, sock: socket.socket) -> None:
         """A sender connected: tune its socket, or refuse it (TransportError)."""
 
-    def _fill(self, ch: Channel, header: Header, slot: np.ndarray) -> None:
-        """Get the payload of a DATA frame into `slot` (its first payload_len bytes)."""
+    def _shake(self, ch: Channel) -> None:
+        """The handshake after HELLO (checked already); TransportError refuses the sender."""
         raise NotImplementedError
 
-    def _on_ack(self) -> None:
-        """The sender is set up (shm: it has mapped the ring, so the name can go)."""
+    def _serve_on(self, ch: Channel) -> None:
+        """The helper thread's work once a sender is connected (tcp: read ahead); none here."""
 
-    def _free_ring(self) -> None:
-        """Give the ring back (shm: unlink and unmap); idempotent."""
+    def _woken(self) -> None:
+        """In close, before taking the recv lock: wake a recv that waits elsewhere than ch."""
+
+    def _free(self) -> None:
+        """In close, with no recv running: free this receiver's own resources."""
 
     def _serve(self) -> None:
         poll = select.poll()
@@ -255,8 +246,8 @@ class StreamReceiver(Receiver):
             self._final = TransportError(f"receiver at {self.address}: accept failed: {exc}")
         finally:
             self._ready.set()
-        if self.read_ahead and self._ch is not None:
-            self._read_ahead(self._ch)
+        if self._ch is not None:
+            self._serve_on(self._ch)
 
     def _handshake(self) -> bool:
         sock, _ = self._listener.accept()
@@ -268,17 +259,105 @@ class StreamReceiver(Receiver):
             hello = decode_meta(_expect(ch, Kind.HELLO, HANDSHAKE_TIMEOUT), Hello)
             if hello.transport != self.transport:
                 raise FrameError(f"a {hello.transport} sender, this is a {self.transport} ring")
-            ch.send(encode(Header(Kind.WELCOME), self._welcome()))
-            _expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT)
-            self._on_ack()
+            self._shake(ch)
             return True
         except TransportError as exc:
             with self._lock:
                 self._ch = None
             if not self._closed:
                 log.warning("receiver at %s: refused a connection: %s", self.address, exc)
+                ch.post(error_frame(exc), _DONTWAIT)  # the sender learns why
             ch.close()
             return False
+
+    def _sender(self, timeout: float | None) -> Channel:
+        """The connected sender's channel, waited for up to `timeout` s (under _recv_lock)."""
+        if self._closed:
+            raise TransportError(f"receiver at {self.address} is closed")
+        if not self._ready.wait(timeout):
+            raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
+        if self._closed:  # close() woke this wait: no sender came
+            raise TransportError(f"receiver at {self.address} is closed")
+        if self._ch is None:  # accepting failed
+            raise self._final  # type: ignore[misc]
+        return self._ch
+
+    @contextlib.contextmanager
+    def _final_on_error(self, ch: Channel) -> Iterator[None]:
+        """Around receiving: a failure is final. The sender is told why (ERROR) and the
+        connection is shut; after close() the error says closed."""
+        try:
+            yield
+        except TransportError as exc:
+            if self._closed:
+                raise TransportError(f"receiver at {self.address} is closed") from exc
+            if isinstance(exc, FrameError):
+                ch.post(error_frame(exc), _DONTWAIT)
+            ch.shutdown()
+            self._final = exc
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ch = self._ch
+        self._wake_w.send(b"x")
+        if ch is not None:
+            ch.post(_SHUTDOWN, _DONTWAIT)
+            ch.shutdown()  # wakes a recv or a handshake blocked on it
+        self._helper.join()
+        self._woken()
+        with self._recv_lock:
+            for resource in (ch, self._listener, self._wake_r, self._wake_w):
+                if resource is not None:
+                    resource.close()
+            self._free()
+
+
+class StreamReceiver(OneSenderReceiver):
+    """A receiver over the socket itself: recv reads frames in the caller's thread (no hand-off
+    between threads per batch), or, with `read_ahead`, the helper thread goes on reading DATA
+    into the ring and queues deliveries."""
+
+    # The payload is on the socket (tcp): a sender holding credits must not wait on recv().
+    read_ahead = False
+
+    def __init__(
+        self, address: str, listener: socket.socket, slots: int, slot_bytes: int, ring: np.ndarray
+    ) -> None:
+        self._unpack = Unpacker(ring, slot_bytes)
+        self._inbox = Inbox(f"receiver at {address}")  # the queue is used with read_ahead only
+        self._credits: dict[int, bytes] = {}  # the CREDIT frame of each slot, packed once
+        self._pending: list[bytes] = []  # credits held back, to send in one write
+        self._credit_batch = max(1, slots // CREDIT_BATCH)
+        self._credit_lock = threading.Lock()
+        self._recv_waits = False
+        super().__init__(address, listener, slots, slot_bytes)
+
+    # hooks for the data path
+    def _welcome(self) -> Welcome:
+        return Welcome(self.slots, self.slot_bytes)
+
+    def _fill(self, ch: Channel, header: Header, slot: np.ndarray) -> None:
+        """Get the payload of a DATA frame into `slot` (its first payload_len bytes)."""
+        raise NotImplementedError
+
+    def _on_ack(self) -> None:
+        """The sender is set up (shm: it has mapped the ring, so the name can go)."""
+
+    def _free_ring(self) -> None:
+        """Give the ring back (shm: unlink and unmap); idempotent."""
+
+    def _shake(self, ch: Channel) -> None:
+        ch.send(encode(Header(Kind.WELCOME), self._welcome()))
+        _expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT)
+        self._on_ack()
+
+    def _serve_on(self, ch: Channel) -> None:
+        if self.read_ahead:
+            self._read_ahead(ch)
 
     def _read_ahead(self, ch: Channel) -> None:
         try:
@@ -293,14 +372,7 @@ class StreamReceiver(Receiver):
     def recv(self, timeout: float | None = None) -> Delivery | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._recv_lock:
-            if self._closed:
-                raise TransportError(f"receiver at {self.address} is closed")
-            if not self._ready.wait(timeout):
-                raise TransportError(f"receiver at {self.address}: no sender within {timeout} s")
-            if self._closed:  # close() woke this wait: no sender came
-                raise TransportError(f"receiver at {self.address} is closed")
-            if self._ch is None:  # accepting failed
-                raise self._final  # type: ignore[misc]
+            self._sender(timeout)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self.read_ahead:
                 if not self._inbox.empty():
@@ -327,16 +399,8 @@ class StreamReceiver(Receiver):
     def _next(self, ch: Channel) -> Delivery | None:
         """Read one frame: the Delivery it announces, or None for a control frame. A failure
         is final: the sender is told why (ERROR) and the connection is shut."""
-        try:
+        with self._final_on_error(ch):
             return self._read(ch)
-        except TransportError as exc:
-            if self._closed:
-                raise TransportError(f"receiver at {self.address} is closed") from exc
-            if isinstance(exc, FrameError):
-                ch.post(error_frame(exc), _DONTWAIT)
-            ch.shutdown()
-            self._final = exc
-            raise
 
     def _read(self, ch: Channel) -> Delivery | None:
         got = ch.read_head(self.slot_bytes)
@@ -390,22 +454,10 @@ class StreamReceiver(Receiver):
         finally:
             self._recv_waits = False
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            ch = self._ch
-        self._wake_w.send(b"x")
-        if ch is not None:
-            ch.post(_SHUTDOWN, _DONTWAIT)
-            ch.shutdown()  # wakes a recv or a handshake blocked on it
-        self._helper.join()
-        # Wake a recv waiting on the queue (read_ahead) before taking its lock.
+    def _woken(self) -> None:
+        # Wake a recv waiting on the queue (read_ahead) before its lock is taken.
         self._inbox.end(TransportError(f"receiver at {self.address} is closed"))
-        with self._recv_lock:
-            for resource in (ch, self._listener, self._wake_r, self._wake_w):
-                if resource is not None:
-                    resource.close()
-            self._inbox.close()
-            self._free_ring()
+
+    def _free(self) -> None:
+        self._inbox.close()
+        self._free_ring()
