@@ -6,8 +6,10 @@ packing that meets the optimum takes far longer, and longer still when it must a
 So a load stage raises a proven lower bound with short tries, searches for a packing just
 above it, and proves what it found by refuting just below. A latency stage does the same over
 the latencies paths can have, each probe a flow problem bucketed at that bound. Tries and
-searches solve the counts first with the arcs fractional (FlowProblem.find). Every answer is
-proven optimal (within REL_TOL) or comes back with the gap that is left.
+searches solve the counts first with the arcs fractional (FlowProblem.find). Each packing a
+load stage finds is polished by a local search (search.py) towards the proven bound, so one
+search just above the optimum is enough. Every answer is proven optimal (within REL_TOL) or
+comes back with the gap that is left.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ it returns is a placement like any other, judged by the same caps, and a miss sa
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,12 +51,13 @@ class _Class:
         return out
 
 
+@dataclass(frozen=True)
 class Packing:
-    """The best placement a search passed through: per class (copies, length + 1) arcs, its
-    busiest resource (ms per item) and host CPU (ms per item)."""
+    """The best placement a search passed through."""
 
-    def __init__(self, paths: list[np.ndarray], t: float, h: float) -> None:
-        self.paths, self.t, self.h = paths, t, h
+    paths: list[np.ndarray]  # per class, (copies, length + 1) chain arcs
+    t: float  # its busiest resource, ms per item
+    h: float  # its host CPU, ms per item
 
 
 def pack(
