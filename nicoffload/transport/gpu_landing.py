@@ -7,9 +7,9 @@ The slot goes back to the sender only once that copy has completed (a CUDA event
 never overwrites a slot the GPU is still reading. `recv` returns as soon as a batch's copy is
 issued (the caller queues its GPU work behind it), and the next `recv` first waits for that copy
 and gives its slot back, so the sender, writing the next batch into another slot meanwhile, is
-never left waiting on a slot only the caller could free. Where the ring is GPU memory already
-(an rdma ring registered through dma-buf or nvidia-peermem, `gpudirect.choose`), there is
-nothing to copy and this module is not in the way.
+never left waiting on a slot only the caller could free. (A ring that is GPU memory itself,
+registered with the NIC through dma-buf or nvidia-peermem, would need no copy: not built in this
+version; `gpudirect.choose` says so where a machine could do it.)
 
     with GpuLanding(receiver) as landing:
         while (d := landing.recv()) is not None:

@@ -42,9 +42,28 @@ class Destination:
         return f"rdma GPU destination: {self.kind} ({self.reason})"
 
 
-def choose(caps: GpuCaps) -> Destination:
+# What the rdma receiver can land into today. Registering GPU memory with the NIC (a dma-buf from
+# cuMemGetHandleForAddressRange, or a device pointer under nvidia-peermem) is not built: no
+# machine of this project has both a GPU and an RDMA device to exercise it on, and Debian's
+# pyverbs (rdma-core 44) registers only DRM-allocated dma-bufs (`DmaBufMR(fd=...)` came later).
+SUPPORTED = frozenset({PINNED})
+
+
+def choose(caps: GpuCaps, supported: frozenset[str] = SUPPORTED) -> Destination:
     """GPUDirect through dma-buf first (upstream kernels, no out-of-tree module), then through
-    nvidia-peermem, otherwise pinned host memory and an asynchronous copy to the GPU."""
+    nvidia-peermem, otherwise pinned host memory and an asynchronous copy to the GPU; a choice
+    this version cannot land into (`supported`) falls to pinned host memory, saying so."""
+    best = _best(caps)
+    if best.kind in supported:
+        return best
+    return Destination(
+        PINNED,
+        f"{best.kind} is available ({best.reason}), but registering GPU memory with the NIC is "
+        "not built in this version: pinned host ring, asynchronous copy to the GPU",
+    )
+
+
+def _best(caps: GpuCaps) -> Destination:
     if not caps.gpu:
         return Destination(PINNED, "no CUDA device: the ring stays in host memory")
     if caps.rdma_device is None:

@@ -7,9 +7,22 @@ import dataclasses
 
 import pytest
 
-from nicoffload.transport.gpudirect import DMABUF, PEERMEM, PINNED, GpuCaps, choose, probe
+from nicoffload.transport import gpudirect
+from nicoffload.transport.gpudirect import DMABUF, PEERMEM, PINNED, GpuCaps, probe
 
 ALL = GpuCaps(gpu=True, rdma_device="mlx5_0", verbs_dmabuf=True, cuda_dmabuf=True, peermem=True)
+EVERY_KIND = frozenset({DMABUF, PEERMEM, PINNED})
+
+
+def choose(caps: GpuCaps):
+    """The ranking, as if this version could land into every kind."""
+    return gpudirect.choose(caps, EVERY_KIND)
+
+
+def test_what_this_version_cannot_land_into_is_pinned_host_memory_and_says_so() -> None:
+    dest = gpudirect.choose(ALL)
+    assert dest.kind == PINNED and not dest.gpudirect
+    assert "gpudirect-dmabuf is available" in dest.reason and "not built" in dest.reason
 
 
 def test_dma_buf_is_preferred_when_both_paths_exist() -> None:
@@ -43,7 +56,7 @@ def test_without_gpudirect_the_ring_is_pinned_host_memory_and_says_why(
 def test_probing_a_machine_never_raises() -> None:
     caps = probe(None)
     assert caps.rdma_device is None
-    assert choose(caps).kind == PINNED
+    assert gpudirect.choose(caps).kind == PINNED
 
 
 def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None:
@@ -60,10 +73,13 @@ def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None
         and next(s for s in plan.stages if s.name == t.dst_stage).kind == "gpu"
     ]
     assert into_gpu  # the example server sends from the DPU straight into the GPU
-    rows = for_plan(plan, ALL)
-    assert [r["transfer"] for r in rows] == [f"{t.src_stage} -> {t.dst_stage}" for t in into_gpu]
-    assert {r["destination"] for r in rows} == {DMABUF} and not any("warning" in r for r in rows)
     rows = for_plan(plan, dataclasses.replace(ALL, cuda_dmabuf=False, peermem=False))
+    assert [r["transfer"] for r in rows] == [f"{t.src_stage} -> {t.dst_stage}" for t in into_gpu]
     assert {r["destination"] for r in rows} == {PINNED}
+    assert all("dma-buf export in the CUDA driver missing" in r["reason"] for r in rows)
     gpudirect_links = [r for r in rows if r["link"] == "rdma-gpudirect"]
     assert gpudirect_links and all("pinned host memory" in r["warning"] for r in gpudirect_links)
+    # a machine that could do GPUDirect is told this version does not, per transfer
+    rows = for_plan(plan, ALL)
+    assert {r["destination"] for r in rows} == {PINNED}
+    assert all("not built" in r["reason"] for r in rows)
