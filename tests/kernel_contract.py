@@ -7,12 +7,16 @@ tolerance stated below for the chain's last op; the input is left untouched; and
 output shape is static, `out` is poisoned twice with different bytes before the call, must be
 returned, and must come back equal to the `out=None` result (so every element was written).
 GPU kernels are called through their batch convention (see nicoffload/ops/gpu_image.py).
+
+NICOFFLOAD_CONTRACT=small (set by `make test-arm`, where the kernels run emulated and the point is
+the instruction set, not the sizes): the same cases at about a quarter of the pixel sizes.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import zlib
 from dataclasses import dataclass, replace
 
@@ -76,6 +80,18 @@ CASES = {
     ],
     "tokenize": [{"max_length": 32}, {"max_length": 128, "dtype": "int32"}],
 }
+MAX_SIDE, MAX_ENCODED_SIDE = 200, 160  # random images: 1..MAX_SIDE px a side
+SMALL = os.environ.get("NICOFFLOAD_CONTRACT") == "small"
+if SMALL:  # images and sizes scaled together: each case still shrinks (antialiased), enlarges,
+    # crops inside and pads, with both odd and vector-width rows
+    MAX_SIDE, MAX_ENCODED_SIDE = 48, 48
+    CASES["resize"] = [
+        {"shorter": 16},
+        {"size": [10, 14]},
+        {"longer": 38, "antialias": False},
+        {"shorter": 75},
+    ]
+    CASES["center_crop"] = [{"size": [12, 10]}, {"size": 24}, {"size": [5, 100]}]
 MARK = Mark("<kernel_contract>", 1, 1)
 
 
@@ -100,7 +116,8 @@ def _smooth_image(rng: np.random.Generator, h: int, w: int, c: int) -> np.ndarra
 
 
 def _encoded(rng: np.random.Generator) -> bytes:
-    img = _smooth_image(rng, int(rng.integers(8, 160)), int(rng.integers(8, 160)), 3)
+    side = MAX_ENCODED_SIDE
+    img = _smooth_image(rng, int(rng.integers(8, side)), int(rng.integers(8, side)), 3)
     kind = rng.choice(["jpeg", "jpeg", "progressive", "gray-jpeg", "png", "rgba-png", "p-png"])
     buf = io.BytesIO()
     pil = Image.fromarray(img)
@@ -128,7 +145,7 @@ def make_input(first_op: str, c: int, rng: np.random.Generator, float_input: boo
 
         text = sample_text(int(rng.integers(1 << 30)), seed=int(rng.integers(1 << 30)))[1]
         return text, TensorSpec("str", (Dim("nchars", len(text)),))
-    h, w = int(rng.integers(1, 200)), int(rng.integers(1, 200))
+    h, w = int(rng.integers(1, MAX_SIDE)), int(rng.integers(1, MAX_SIDE))
     img = _smooth_image(rng, h + 3, w + 2, c)[2 : h + 2, 1 : w + 1]  # a strided view
     if float_input:
         img = (img.astype(np.float32) + rng.random(img.shape, np.float32)) / 2

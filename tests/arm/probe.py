@@ -2,6 +2,11 @@
 CPU model is the one in effect (numpy's runtime CPU dispatch sees its features, and no SVE), numba
 compiles for no SVE and caches into the throwaway directory, no host-only package is there, and
 the CLI (for `nicoffload profile --device dpu` on the DPU) starts without them.
+
+    python tests/arm/probe.py [PYTEST ARGS...]
+
+With arguments, pytest then runs with them in this interpreter: under emulation every start
+(numpy, numba) costs seconds.
 """
 
 from __future__ import annotations
@@ -65,3 +70,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if len(sys.argv) > 1:
+        import pytest
+
+        sys.stdout.flush()
+        sys.exit(pytest.main(sys.argv[1:]))

@@ -5,7 +5,8 @@ host side, over TCP; its outputs must equal the all-host run's bit for bit.
     python tests/arm/split_run.py --root ROOTFS --cpu cortex-a72     (as root, from the repository)
 
 The plan and topology are those of tests/integration/test_split_run.py: decode, resize and crop on
-dpu0 (the agent's address), normalize on the host.
+dpu0 (the agent's address), normalize on the host. The pipeline is its resnet50, with batches of
+BATCH items, so that a few items (each decoded emulated) still make several batches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
@@ -26,10 +28,11 @@ from test_split_run import PIPELINE, split_plan, topology_for  # noqa: E402
 import nicoffload  # noqa: E402
 from dpu_agents import auth  # noqa: E402
 from dpu_agents.local import LocalAgent  # noqa: E402
+from nicoffload.graph import Pipeline, load_pipeline  # noqa: E402
 from nicoffload.planner.plan import Plan, single_device_plan  # noqa: E402
 from nicoffload.samples import sample_images  # noqa: E402
 
-ITEMS = 72  # more than one batch (64): at least two transfers; emulated decode is slow
+ITEMS, BATCH = 20, 8  # three batches, the last one short
 START_TIMEOUT = 180.0  # importing numpy, numba and the agent under emulation
 
 
@@ -49,6 +52,14 @@ def agent_prefix(root: Path, cpu: str) -> list[str]:
     return ["chroot", str(root), "/usr/bin/env", "-i", *env, "/bin/sh", "-c", script, "sh"]
 
 
+def with_batches(path: Path) -> Pipeline:
+    """PIPELINE with batches of BATCH items, written to `path` (the agent is sent its text)."""
+    doc = yaml.safe_load(Path(PIPELINE.path).read_text(encoding="utf-8"))
+    doc["batch"]["max_size"] = BATCH
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return load_pipeline(path)
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
@@ -60,9 +71,10 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["QEMU_CPU"] = args.cpu  # read by qemu-aarch64 at each exec in the chroot
 
+    pipeline = with_batches(args.root / "tmp" / f"split-{args.cpu}.yaml")  # the run's throwaway
     images = [b for _, b in sample_images(ITEMS, seed=7)]
     host = nicoffload.run(
-        PIPELINE, images, plan=Plan.from_json(single_device_plan(PIPELINE, "cpu").to_json())
+        pipeline, images, plan=Plan.from_json(single_device_plan(pipeline, "cpu").to_json())
     )
     assert host.ok.all(), host.failures
 
@@ -84,7 +96,7 @@ def main() -> int:
                 assert "qemu" in exe, f"the agent is not emulated: /proc/{agent.pid}/exe -> {exe}"
                 started = time.perf_counter() - t0
                 result = nicoffload.run(
-                    PIPELINE,
+                    pipeline,
                     images,
                     plan=split_plan(),
                     topology=topology_for(agent),
@@ -99,7 +111,8 @@ def main() -> int:
     assert result.ok.all(), result.failures
     doc = result.stats.to_json()
     (transfer,) = doc["transfers"].values()
-    assert doc["stages"]["s0-dpu0"]["device"] == "dpu0" and transfer["batches"] >= 2, doc
+    batches = -(-ITEMS // BATCH)
+    assert doc["stages"]["s0-dpu0"]["device"] == "dpu0" and transfer["batches"] >= batches, doc
     want, got = host.outputs["pixels"], result.outputs["pixels"]
     assert same_bits(got, want), (
         f"split run differs from the all-host run: {int((got != want).sum())} elements"
