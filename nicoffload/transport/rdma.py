@@ -11,24 +11,18 @@ import collections
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
 from nicoffload.transport import verbs
-from nicoffload.transport.base import MAX_SLOTS, Sender
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import (
     HEADER_SIZE,
-    MAX_PAYLOAD,
     OUT_OF_BAND,
     Header,
-    Hello,
     Kind,
     Welcome,
     decode_meta,
@@ -36,9 +30,22 @@ from nicoffload.transport.frame import (
     error_from_frame,
     head_size,
 )
-from nicoffload.transport.slots import Delivery, Ledger, Packer, Tensors, Unpacker, slot_view
+from nicoffload.transport.slots import (
+    Delivery,
+    Layout,
+    Ledger,
+    Packer,
+    Unpacker,
+    slot_view,
+)
 from nicoffload.transport.slots import stride as slot_stride
-from nicoffload.transport.stream import _EOF, HANDSHAKE_TIMEOUT, OneSenderReceiver, _expect
+from nicoffload.transport.stream import (
+    _EOF,
+    HANDSHAKE_TIMEOUT,
+    OneSenderReceiver,
+    SlotSender,
+    _expect,
+)
 
 DEVICE_ENV = "NICOFFLOAD_RDMA_DEVICE"  # this side's verbs device, when not the first one
 HEAD_BYTES = 4096  # per slot: the DATA frame head (64-byte header + metadata) lands here
@@ -76,28 +83,19 @@ def _ring(slots: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return buf, buf[:size], buf[size:]
 
 
-class RdmaSender(Sender):
+class RdmaSender(SlotSender):
     """Copies a batch into its own registered staging slot, then WRITEs it to the same slot of
     the receiver's ring: the receiver's memory is never touched by its CPU on the way in."""
+
+    transport = "rdma"
 
     def __init__(
         self, address: str, sock: socket.socket, device: str, *, timeout: float, pipeline_id: int,
         stage_id: int,
     ) -> None:  # fmt: skip
-        self.address = address
-        self._ch = Channel(sock, f"receiver at {address}")
-        self._lock = threading.Lock()
-        self._broken: TransportError | None = None
-        self._closed = False
         self._ep: verbs.Endpoint | None = None
         try:
-            self._ch.send(encode(Header(Kind.HELLO), Hello("rdma")))
-            welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
-            if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
-                raise FrameError(
-                    f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
-                )
-            self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
+            welcome = self._open(address, sock, timeout)
             peer, remote, rkey = _remote(welcome.segment)
             self._ep = verbs.Endpoint(
                 device, send_depth=2 * self.slots + 4, recv_depth=self.slots + 4
@@ -110,75 +108,32 @@ class RdmaSender(Sender):
             self._ch.send(encode(Header(Kind.ACK), self._ep.me.encode()))
             _expect(self._ch, Kind.ACK, timeout)  # the receiver's QP is ready to receive
         except BaseException as exc:
-            self._ch.close()
-            self._teardown()
+            if hasattr(self, "_ch"):
+                self._ch.close()
+            self._detach()
             if isinstance(exc, OSError):
                 raise TransportError(f"cannot connect to {address}: {exc}") from exc
             raise
         self._pack = Packer(self.slot_bytes, OUT_OF_BAND, pipeline_id, stage_id)
-        self._free = list(range(self.slots))[::-1]
-        self._out: set[int] = set()
 
-    def send(
-        self,
-        tensors: Tensors,
-        *,
-        request_id: int = 0,
-        batch_size: int | None = None,
-        meta: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> int:
-        arrays, layout = self._pack(tensors, batch_size, meta)
-        head_len = len(layout.head)
-        if head_len > HEAD_BYTES:
+    def _admit(self, layout: Layout) -> None:
+        if len(layout.head) > HEAD_BYTES:
             raise TransportError(
-                f"a batch head of {head_len} bytes (header and metadata) does not fit the "
-                f"{HEAD_BYTES}-byte head area of an rdma slot: send less metadata"
+                f"a batch head of {len(layout.head)} bytes (header and metadata) does not fit "
+                f"the {HEAD_BYTES}-byte head area of an rdma slot: send less metadata"
             )
-        with self._lock:
-            self._check()
-            if (self._ch.readable(0) or not self._free) and not self._wait(
-                lambda: bool(self._free), timeout
-            ):
-                raise TransportError(f"{self._ch.peer}: no free slot within {timeout} s")
-            slot = self._free.pop()
-            self._out.add(slot)
-            try:
-                layout.copy_into(slot_view(self._stage, slot, self.slot_bytes), arrays)
-                at = slot * HEAD_BYTES
-                self._heads[at : at + head_len] = np.frombuffer(
-                    layout.announce(slot, request_id), np.uint8
-                )
-                ep, start = self._ep, slot * slot_stride(self.slot_bytes)
-                assert ep is not None
-                if layout.nbytes:
-                    ep.write(self._mr, start, layout.nbytes, self._rkey, self._ring_addr + start)
-                head_at = self._stage.nbytes + at
-                ep.write_imm(self._mr, head_at, head_len, self._rkey, self._heads_addr + at, slot)
-            except TransportError as exc:
-                self._fail(exc)
-                raise
-            return slot
 
-    def flush(self, timeout: float | None = None) -> None:
-        with self._lock:
-            self._check()
-            if not self._wait(lambda: not self._out, timeout):
-                raise TransportError(f"{self._ch.peer}: {len(self._out)} batches still held")
-
-    def _wait(self, done: Any, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            self._take_credits(0.0)
-            while not done():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._take_credits(left)
-        except TransportError as exc:
-            self._fail(exc)
-            raise
-        return True
+    def _write(self, slot: int, arrays: list[np.ndarray], layout: Layout, request_id: int) -> None:
+        head_len = len(layout.head)
+        layout.copy_into(slot_view(self._stage, slot, self.slot_bytes), arrays)
+        at = slot * HEAD_BYTES
+        self._heads[at : at + head_len] = np.frombuffer(layout.announce(slot, request_id), np.uint8)
+        ep, start = self._ep, slot * slot_stride(self.slot_bytes)
+        assert ep is not None
+        if layout.nbytes:
+            ep.write(self._mr, start, layout.nbytes, self._rkey, self._ring_addr + start)
+        head_at = self._stage.nbytes + at
+        ep.write_imm(self._mr, head_at, head_len, self._rkey, self._heads_addr + at, slot)
 
     def _take_credits(self, timeout: float | None) -> None:
         assert self._ep is not None
@@ -199,18 +154,7 @@ class RdmaSender(Sender):
                 raise TransportError(f"{self._ch.peer} closed")
             raise FrameError(f"malformed frame: kind: unexpected {got[0].kind.name}")
 
-    def _fail(self, exc: TransportError) -> None:
-        self._broken = exc
-        self._ch.close()
-        self._teardown()
-
-    def _check(self) -> None:
-        if self._closed:
-            raise TransportError(f"sender to {self.address} is closed")
-        if self._broken is not None:
-            raise TransportError(f"sender to {self.address} failed earlier: {self._broken}")
-
-    def _teardown(self) -> None:
+    def _detach(self) -> None:
         ep, self._ep = self._ep, None
         if ep is not None:
             ep.close()
@@ -232,7 +176,7 @@ class RdmaSender(Sender):
         self._ch.shutdown()  # wakes a send() blocked on credits in another thread
         with self._lock:
             self._ch.close()
-            self._teardown()
+            self._detach()
 
 
 def _remote(segment: str) -> tuple[verbs.Peer, int, int]:

@@ -64,46 +64,39 @@ def _expect(ch: Channel, kind: Kind, timeout: float) -> bytes:
     return got[1]
 
 
-class StreamSender(Sender):
-    """A Sender over a Channel; a subclass says how a batch reaches the slot (`_write`)."""
+class SlotSender(Sender):
+    """What a sender over a control Channel shares, whatever carries the payload (stream, rdma):
+    HELLO and WELCOME (`_open`), the free and outstanding slots under one lock, waiting for
+    credits (`_take_credits`, the subclass's own), `flush`, and a failure being final (`_guard`:
+    the channel closes and `_detach` frees what else the transport holds)."""
 
     transport = "stream"
-    out_of_band = False  # the payload goes into the slot by another path than the socket
 
-    def __init__(
-        self, address: str, sock: socket.socket, *, timeout: float, pipeline_id: int, stage_id: int
-    ) -> None:
+    def _open(self, address: str, sock: socket.socket, timeout: float) -> Welcome:
         self.address = address
         self._ch = Channel(sock, f"receiver at {address}")
         self._lock = threading.Lock()
         self._broken: TransportError | None = None
         self._closed = False
-        try:
-            self._ch.send(encode(Header(Kind.HELLO), Hello(self.transport)))
-            welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
-            if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
-                raise FrameError(
-                    f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
-                )
-            self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
-            self._attach(welcome)
-            self._ch.send(encode(Header(Kind.ACK)))
-        except BaseException:
-            self._ch.close()
-            self._detach()
-            raise
-        flags = OUT_OF_BAND if self.out_of_band else 0
-        self._pack = Packer(self.slot_bytes, flags, pipeline_id, stage_id)
+        self._ch.send(encode(Header(Kind.HELLO), Hello(self.transport)))
+        welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
+        if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
+            raise FrameError(
+                f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
+            )
+        self.slots, self.slot_bytes = welcome.slots, welcome.slot_bytes
         self._free = list(range(self.slots))[::-1]  # a stack: reuse the slot freed last (warm)
         self._out: set[int] = set()
-
-    def _attach(self, welcome: Welcome) -> None:
-        """Map the receiver's ring, for a payload written out of band (shm)."""
+        return welcome
 
     def _detach(self) -> None:
-        """Undo `_attach`; idempotent."""
+        """Free what the transport holds besides the channel (a mapping, verbs); idempotent."""
+
+    def _admit(self, layout: Layout) -> None:
+        """Refuse, before it takes a slot, a batch this transport cannot carry."""
 
     def _write(self, slot: int, arrays: list[np.ndarray], layout: Layout, request_id: int) -> None:
+        """Put the batch into the receiver's slot and announce it."""
         raise NotImplementedError
 
     def send(
@@ -116,6 +109,7 @@ class StreamSender(Sender):
         timeout: float | None = None,
     ) -> int:
         arrays, layout = self._pack(tensors, batch_size, meta)
+        self._admit(layout)
         with self._lock:
             self._check()
             # Credits (or an ERROR, a SHUTDOWN) waiting on the socket, or no slot free.
@@ -125,6 +119,9 @@ class StreamSender(Sender):
             self._out.add(slot)
             self._guard(self._write, slot, arrays, layout, request_id)
             return slot
+
+    def _take_credits(self, timeout: float | None) -> None:
+        raise NotImplementedError
 
     def _has_free(self) -> bool:
         return bool(self._free)
@@ -146,6 +143,45 @@ class StreamSender(Sender):
             self._guard(self._take_credits, left)
         return True
 
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn; a failure leaves the sender unusable: close it, for good."""
+        try:
+            fn(*args)
+        except TransportError as exc:
+            self._broken = exc
+            self._ch.close()
+            self._detach()
+            raise
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TransportError(f"sender to {self.address} is closed")
+        if self._broken is not None:
+            raise TransportError(f"sender to {self.address} failed earlier: {self._broken}")
+
+
+class StreamSender(SlotSender):
+    """A Sender over a Channel; a subclass says how a batch reaches the slot (`_write`)."""
+
+    out_of_band = False  # the payload goes into the slot by another path than the socket
+
+    def __init__(
+        self, address: str, sock: socket.socket, *, timeout: float, pipeline_id: int, stage_id: int
+    ) -> None:
+        try:
+            self._attach(self._open(address, sock, timeout))
+            self._ch.send(encode(Header(Kind.ACK)))
+        except BaseException:
+            if hasattr(self, "_ch"):
+                self._ch.close()
+            self._detach()
+            raise
+        flags = OUT_OF_BAND if self.out_of_band else 0
+        self._pack = Packer(self.slot_bytes, flags, pipeline_id, stage_id)
+
+    def _attach(self, welcome: Welcome) -> None:
+        """Map the receiver's ring, for a payload written out of band (shm; `_detach` undoes)."""
+
     def _take_credits(self, timeout: float | None) -> None:
         while self._ch.readable(timeout):
             got = self._ch.read_head(0)
@@ -164,22 +200,6 @@ class StreamSender(Sender):
             elif header.kind is not Kind.HEARTBEAT:
                 raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
             timeout = 0.0
-
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run fn; a failure leaves the stream unusable: close it, for good."""
-        try:
-            fn(*args)
-        except TransportError as exc:
-            self._broken = exc
-            self._ch.close()
-            self._detach()
-            raise
-
-    def _check(self) -> None:
-        if self._closed:
-            raise TransportError(f"sender to {self.address} is closed")
-        if self._broken is not None:
-            raise TransportError(f"sender to {self.address} failed earlier: {self._broken}")
 
     def close(self) -> None:
         if self._closed:
