@@ -9,8 +9,10 @@
 # runs natively, over TCP on loopback, checking the outputs equal the all-host run's bit for bit.
 #
 # The chroot gets a copy of the sources (the repository is never written) and, per CPU model, a
-# numba cache kept in ~/.cache/nicoffload keyed by the sources' content: code compiled under
+# numba cache kept in ~/.cache/nicoffload keyed by nicoffload/ops's content: code compiled under
 # emulation is only ever loaded again by this harness, never shipped or used on real hardware.
+# Each phase prints its time, and each model how many numba cache files it found and left (equal
+# numbers: everything was loaded from the cache, nothing compiled).
 # Needs root (debootstrap, chroot, mount); installs its apt packages when missing.
 # Env: TEST_ARM_CPUS (default "cortex-a72 cortex-a76"), TEST_ARM_PYTHON (the host side's python),
 # XDG_CACHE_HOME, DEBIAN_MIRROR.
