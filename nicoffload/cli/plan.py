@@ -150,6 +150,12 @@ def plan(
     json_out: bool = typer.Option(
         False, "--json", help="print the plan and its explanation as JSON"
     ),
+    runnable: bool | None = typer.Option(
+        None,
+        "--runnable/--any-shape",
+        help="only plans the runtime runs today ([a DPU stage] -> host CPU -> [a GPU stage]); "
+        "default: on for this machine (no --topology), off for a topology file",
+    ),
 ) -> None:
     """Place every node on a device (exact: DP for chains, MILP for DAGs) and explain why."""
     from nicoffload.errors import PlanError
@@ -169,6 +175,7 @@ def plan(
         min_throughput_per_s=min_throughput,
         max_latency_ms=max_latency_ms,
         explain=True,
+        runnable=topology is None if runnable is None else runnable,
     )
     if output is not None:
         the_plan.save(output)

@@ -213,12 +213,16 @@ def plan_for(
     explain: bool = False,
     catalog: Catalog | None = None,
     time_limit_s: float = 20.0,
+    runnable: bool = False,
 ) -> Plan:
     """The best Plan for `pipeline` on `topology` (the local machine when None).
 
     Constraints given here override the pipeline's `slo`. `explain=True` adds per-resource
     loads, the latency path and the runner-up placement (with why it lost) to `plan.explain`.
     A DAG's MILP that reaches `time_limit_s` returns its best plan with a note giving the gap.
+    A plan of a shape the runtime does not run yet (`planner.shapes`) gets a note; with
+    `runnable=True` the best plan of a shape it runs is returned instead, and the note says what
+    that costs.
     """
     if objective not in OBJECTIVES:
         raise PlanError(
@@ -261,13 +265,63 @@ def plan_for(
             )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
+    best, second, shape_notes = _shape(model, goal, allowed, best, runnable, time_limit_s)
+    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes + shape_notes)
     if explain:
         from nicoffload.planner.explain import explanation
 
-        second = runner_up(model, goal, best, allowed, time_limit_s)
+        if second is None and not shape_notes:
+            second = runner_up(model, goal, best, allowed, time_limit_s)
         plan = replace(plan, explain=explanation(model, topo, goal, best, second))
     return plan
+
+
+def _shape(
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray,
+    best: np.ndarray,
+    runnable: bool,
+    limit: float,
+) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...]]:
+    """The placement to plan (the runnable best when asked and needed), its runner-up when that
+    was found on the way, and the notes that say so."""
+    from nicoffload.planner.shapes import best_runnable, stage_kinds
+    from nicoffload.planner.shapes import runnable as runs
+
+    if runs(model, best):
+        return best, None, ()
+    shape = " -> ".join(stage_kinds(model, best))
+    if not runnable:
+        return (
+            best,
+            None,
+            (
+                f"this plan's stages ({shape}) are not a shape the runtime runs yet ([a DPU stage] "
+                "-> host CPU stages -> [a GPU stage]); `--runnable` plans the best one it runs",
+            ),
+        )
+    chosen, second = best_runnable(model, goal, allowed, limit)
+    if chosen is None:
+        raise PlanError(
+            f"the only feasible placements have stages like {shape}, which the runtime does not "
+            "run yet ([a DPU stage] -> host CPU stages -> [a GPU stage])"
+        )
+    m = evaluate(model, np.array([best, chosen]))
+    what = {
+        "throughput": lambda k: f"{1e3 / float(m.bottleneck[k]):,.0f} items/s",
+        "latency": lambda k: f"latency {float(m.latency[k]):.3f} ms",
+        "host-cpu": lambda k: f"host CPU {float(m.host[k]):.4f} ms/item",
+    }[goal.objective]
+    return (
+        chosen,
+        second,
+        (
+            f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
+            f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
+            f"({' -> '.join(stage_kinds(model, chosen))}, {what(1)})",
+        ),
+    )
 
 
 def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
