@@ -14,6 +14,7 @@ from nicoffload.errors import AgentError, NicoffloadError
 from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
 from nicoffload.p4.ids import pipeline_id, stage_ids
 from nicoffload.planner.plan import Plan
+from nicoffload.runtime.remote import leaving
 from nicoffload.runtime.stage import Stage
 from nicoffload.transport.frame import DType
 
@@ -78,25 +79,17 @@ def build_stage(
                     f"node '{node.name}' reads '{ref}' from another stage; "
                     "an agent stage reads only the pipeline's inputs"
                 )
-    results = {str(r) for r in pipeline.outputs.values()}
     out_specs: dict[str, TensorSpec] = {}
-    for node in nodes:
-        for port, spec in node.out_specs.items():
-            key = node.name if port == "out" else f"{node.name}.{port}"
-            read_outside = any(
-                str(r) == key
-                for c in pipeline.consumers(node.name)
-                if c.name not in inside
-                for r in c.inputs
-            )
-            if key in results or read_outside:
-                if spec.dtype in ("bytes", "str"):
-                    raise AgentError(f"value '{key}' ({spec}) cannot be forwarded as a tensor")
-                try:
-                    DType.of(spec.dtype)
-                except ValueError as exc:
-                    raise AgentError(f"value '{key}': {exc}") from None
-                out_specs[key] = spec
+    for key in leaving(pipeline, sp):  # what the host side expects back, in its order
+        name, _, port = key.partition(".")
+        spec = pipeline.node(name).out_specs[port or "out"]
+        if spec.dtype in ("bytes", "str"):
+            raise AgentError(f"value '{key}' ({spec}) cannot be forwarded as a tensor")
+        try:
+            DType.of(spec.dtype)
+        except ValueError as exc:
+            raise AgentError(f"value '{key}': {exc}") from None
+        out_specs[key] = spec
     try:
         stage = Stage(pipeline, sp, set(out_specs))
     except NicoffloadError as exc:
