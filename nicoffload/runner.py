@@ -7,7 +7,6 @@ numpy arrays with per-item status and the run's measurements (`RunStats`, the `r
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -129,21 +128,10 @@ def prepare(
     if plan is None:
         from nicoffload.planner import plan_for
 
-        if topology is None:
-            topology = local_topology()
-            plan = plan_for(pipeline, topology)
-            if "gpu0" in topology.ids and not _runnable(plan):
-                # the planner may send work back from the GPU to the host, which this runtime
-                # does not run yet: plan this machine without its GPU rather than fail
-                print(
-                    f"nicoffload: the plan {dict(plan.placement)} leaves the GPU for the host, "
-                    "which this runtime cannot run yet; planning without the GPU",
-                    file=sys.stderr,
-                )
-                topology = local_topology(gpu=False)
-                plan = plan_for(pipeline, topology)
-        else:
-            plan = plan_for(pipeline, topology)
+        # Only plans of a shape the executor runs (the planner's note says what the best plan
+        # overall would have been, when it is of another shape).
+        topology = topology if topology is not None else local_topology()
+        plan = plan_for(pipeline, topology, runnable=True)
     elif not isinstance(plan, Plan):
         source = str(plan)
         plan = Plan.load(plan)
@@ -151,16 +139,6 @@ def prepare(
     if topology is None and plan.topology == "local":
         topology = local_topology()
     return Prepared(pipeline, plan, topology, token_file)
-
-
-def _runnable(plan: Plan) -> bool:
-    from nicoffload.runtime.executor import split_stages
-
-    try:
-        split_stages(plan)
-    except DeviceError:
-        return False
-    return True
 
 
 @contextlib.contextmanager
