@@ -53,7 +53,8 @@ test-rdma: setup
 	$(BIN)/python tests/rdma/vm.py
 
 # The DPU agent and its kernels on aarch64 under QEMU user mode (cortex-a72 and cortex-a76); the
-# arm64 root filesystem is cached in ~/.cache/nicoffload, keyed by the DPU dependency set.
+# arm64 root filesystem is cached in ~/.cache/nicoffload, keyed by the DPU dependency set, and so
+# are numba's kernels per model, keyed by nicoffload/ops. Prints each phase's time.
 test-arm: setup
 	bash tests/arm/run.sh
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The base of the test-arm root filesystem, packed into $1 (.tar.zst): Debian bookworm arm64,
-# minbase + python3 + python3-venv. About 5 minutes (debootstrap's second stage runs emulated),
-# so it is cached on its own, keyed by this file: a change of the dependency set reuses it.
+# minbase + python3. Minutes (debootstrap's second stage runs emulated), so it is cached on its
+# own, keyed by this file: a change of the dependency set reuses it.
 set -euo pipefail
 out=$1
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -9,9 +9,11 @@ work=$(mktemp -d /var/tmp/nicoffload-arm-base.XXXXXX)
 trap 'umount -l "$work/rootfs/proc" 2>/dev/null || true; rm -rf "$work"' EXIT
 root=$work/rootfs
 
-echo "test-arm: debootstrap bookworm arm64 (about 5 minutes; cached afterwards)" >&2
-# libstdc++6: llvmlite and tokenizers link it (manylinux allows it; minbase lacks it).
-debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,libstdc++6 \
+echo "test-arm: debootstrap bookworm arm64 (minutes; cached afterwards)" >&2
+# libstdc++6: llvmlite and tokenizers link it (manylinux allows it; minbase lacks it). No
+# python3-venv: `venv --without-pip` needs none of it, and it pulls ca-certificates (whose
+# postinst forks a process per certificate, each emulated), openssl and pip's wheels.
+debootstrap --arch=arm64 --variant=minbase --include=python3,libstdc++6 \
   bookworm "$root" "$mirror" >"$work/debootstrap.log" 2>&1 || {
   tail -30 "$work/debootstrap.log" >&2
   exit 1

@@ -60,9 +60,10 @@ cache=$cachedir/arm64-$key.tar.zst
 mkdir -p "$cachedir"
 (
   flock 9 # two runs at once build it once
+  tb=$SECONDS
   [ -f "$base" ] || {
     "$here/build-base.sh" "$base"
-    echo "test-arm: base built in $((SECONDS - t0)) s" >&2
+    echo "test-arm: base built in $((SECONDS - tb)) s" >&2
   }
   if [ ! -f "$cache" ]; then
     tb=$SECONDS
