@@ -45,7 +45,7 @@ test: setup sysdeps
 	  $(MAKE) --no-print-directory test-rdma; \
 	else echo "test-rdma skipped: no /dev/kvm, no qemu-system-x86_64, and not root to install it"; fi
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory test-arm; \
-	else echo "test-arm skipped: it needs root (debootstrap, chroot, binfmt_misc)"; fi
+	else echo "test-arm skipped: it needs root (mmdebstrap, chroot, binfmt_misc)"; fi
 
 # RDMA on real verbs: Soft-RoCE in a QEMU guest; kernel, initramfs and numba cache are cached in
 # ~/.cache/nicoffload/rdma-vm.

@@ -13,7 +13,7 @@
 # emulation is only ever loaded again by this harness, never shipped or used on real hardware.
 # Each phase prints its time, and each model how many numba cache files it found and left (equal
 # numbers: everything was loaded from the cache, nothing compiled).
-# Needs root (debootstrap, chroot, mount); installs its apt packages when missing.
+# Needs root (mmdebstrap, chroot, mount); installs its apt packages when missing.
 # Env: TEST_ARM_CPUS (default "cortex-a72 cortex-a76"), TEST_ARM_PYTHON (the host side's python),
 # XDG_CACHE_HOME, DEBIAN_MIRROR.
 set -euo pipefail
@@ -25,12 +25,12 @@ cpus=${TEST_ARM_CPUS:-cortex-a72 cortex-a76}
 t0=$SECONDS
 
 if [ "$(id -u)" != 0 ]; then
-  echo "test-arm: needs root (debootstrap, chroot, binfmt_misc); run it as root or in CI" >&2
+  echo "test-arm: needs root (mmdebstrap, chroot, binfmt_misc); run it as root or in CI" >&2
   exit 1
 fi
 
 missing=""
-for p in debootstrap qemu-user-static binfmt-support zstd; do
+for p in mmdebstrap arch-test qemu-user-static binfmt-support zstd; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
@@ -50,7 +50,7 @@ grep -q '^enabled' $binfmt/qemu-aarch64 && grep -q '^flags:.*F' $binfmt/qemu-aar
   exit 1
 }
 
-# Two caches outside the repository: the debootstrapped base (minutes to build, keyed by its
+# Two caches outside the repository: the base from mmdebstrap (minutes to build, keyed by its
 # recipe) and the root filesystem with the dependency set (seconds from the base, keyed by the set).
 cachedir=${XDG_CACHE_HOME:-$HOME/.cache}/nicoffload
 base=$cachedir/arm64-base-$(sha256sum <"$here/build-base.sh" | cut -c1-16).tar.zst
