@@ -9,12 +9,12 @@ work=$(mktemp -d /var/tmp/nicoffload-arm-base.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
 echo "test-arm: mmdebstrap bookworm arm64 (minutes; cached afterwards)" >&2
-# mmdebstrap rather than debootstrap: one dpkg run for all packages (each emulated process costs),
-# 164-185 s against debootstrap's 213 s here (load 1-1.7). The essential variant: no apt (nothing is installed in
-# the chroot; build-rootfs.sh fills the venv from the host). libstdc++6: llvmlite and tokenizers
-# link it (manylinux allows it). No python3-venv: `venv --without-pip` needs none of it, and it
-# pulls ca-certificates (whose postinst forks a process per certificate, each emulated), openssl
-# and pip's wheels. Never unpacked: documentation, manuals, locales.
+# mmdebstrap rather than debootstrap: one dpkg run for all packages (each emulated process costs):
+# 164-185 s against debootstrap's 213 s here (load 1-1.7). The essential variant: no apt (nothing
+# is installed in the chroot; build-rootfs.sh fills the venv from the host). libstdc++6: llvmlite
+# and tokenizers link it (manylinux allows it). No python3-venv: `venv --without-pip` needs none
+# of it, and it pulls ca-certificates (whose postinst forks a process per certificate, each
+# emulated), openssl and pip's wheels. Never unpacked: documentation, manuals, locales.
 mmdebstrap --quiet --arch=arm64 --variant=essential --include=python3,libstdc++6 --mode=root \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
