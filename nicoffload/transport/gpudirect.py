@@ -42,52 +42,54 @@ class Destination:
         return f"rdma GPU destination: {self.kind} ({self.reason})"
 
 
-# What the rdma receiver can land into today. Registering GPU memory with the NIC (a dma-buf from
-# cuMemGetHandleForAddressRange, or a device pointer under nvidia-peermem) is not built: no
-# machine of this project has both a GPU and an RDMA device to exercise it on, and Debian's
-# pyverbs (rdma-core 44) registers only DRM-allocated dma-bufs (`DmaBufMR(fd=...)` came later).
-SUPPORTED = frozenset({PINNED})
+# What the rdma receiver lands into: its ring in GPU memory registered with the NIC under
+# nvidia-peermem (ibv_reg_mr on a device pointer: `RdmaReceiver` with `?gpu=N`), else pinned
+# host memory copied to the GPU (`GpuLanding`). Registering a CUDA dma-buf is not built: pyverbs
+# registers a dma-buf from a file descriptor only through mlx5's own class (rdma-core 51 and
+# later); Debian's rdma-core 44 takes DRM-allocated buffers alone.
+SUPPORTED = frozenset({PEERMEM, PINNED})
+
+
+def supported() -> frozenset[str]:
+    """The destinations this version can land into (the same everywhere, for now)."""
+    return SUPPORTED
 
 
 def choose(caps: GpuCaps, supported: frozenset[str] = SUPPORTED) -> Destination:
     """GPUDirect through dma-buf first (upstream kernels, no out-of-tree module), then through
-    nvidia-peermem, otherwise pinned host memory and an asynchronous copy to the GPU; a choice
-    this version cannot land into (`supported`) falls to pinned host memory, saying so."""
-    best = _best(caps)
-    if best.kind in supported:
-        return best
-    return Destination(
-        PINNED,
-        f"{best.kind} is available ({best.reason}), but registering GPU memory with the NIC is "
-        "not built in this version: pinned host ring, asynchronous copy to the GPU",
-    )
-
-
-def _best(caps: GpuCaps) -> Destination:
+    nvidia-peermem, otherwise pinned host memory and an asynchronous copy to the GPU; a way this
+    version cannot land into (`supported`) is passed over, saying so."""
     if not caps.gpu:
         return Destination(PINNED, "no CUDA device: the ring stays in host memory")
     if caps.rdma_device is None:
         return Destination(PINNED, "no RDMA device to register GPU memory with")
+    passed = []
     if caps.verbs_dmabuf and caps.cuda_dmabuf:
-        return Destination(
-            DMABUF, f"dma-buf from the CUDA driver, registered on {caps.rdma_device}"
-        )
+        if DMABUF in supported:
+            return Destination(
+                DMABUF, f"dma-buf from the CUDA driver, registered on {caps.rdma_device}"
+            )
+        passed.append(f"{DMABUF} is available, but this version does not register dma-bufs")
     if caps.peermem:
-        return Destination(
-            PEERMEM, f"nvidia-peermem loaded, GPU memory registered on {caps.rdma_device}"
+        if PEERMEM in supported:
+            return Destination(
+                PEERMEM, f"nvidia-peermem loaded, GPU memory registered on {caps.rdma_device}"
+            )
+        passed.append(f"{PEERMEM} is available, but this version does not use it")
+    if not passed:
+        missing = [
+            name
+            for name, ok in (
+                ("ibv_reg_dmabuf_mr in rdma-core/pyverbs", caps.verbs_dmabuf),
+                ("dma-buf export in the CUDA driver", caps.cuda_dmabuf),
+            )
+            if not ok
+        ]
+        passed.append(
+            f"no GPUDirect: neither dma-buf ({', '.join(missing)} missing) nor nvidia-peermem"
         )
-    missing = [
-        name
-        for name, ok in (
-            ("ibv_reg_dmabuf_mr in rdma-core/pyverbs", caps.verbs_dmabuf),
-            ("dma-buf export in the CUDA driver", caps.cuda_dmabuf),
-        )
-        if not ok
-    ]
     return Destination(
-        PINNED,
-        f"no GPUDirect: neither dma-buf ({', '.join(missing)} missing) nor nvidia-peermem; "
-        "pinned host ring, asynchronous copy to the GPU",
+        PINNED, "; ".join(passed) + ": pinned host ring, asynchronous copy to the GPU"
     )
 
 
@@ -136,8 +138,10 @@ def _cuda() -> tuple[bool, bool]:
 
 def for_plan(plan: Any, caps: GpuCaps | None = None) -> list[dict[str, Any]]:
     """The GPU destination of each rdma transfer of `plan` that lands on a GPU stage, as this
-    machine's capabilities decide it (`probe`, once): what `plan` and `run` report. A link the
-    topology calls `rdma-gpudirect` that this machine cannot honour says so."""
+    machine's capabilities decide it (`probe`, once), for a receiver opened with
+    `rdma://...?gpu=N`: what `plan` reports. A link the topology calls `rdma-gpudirect` that this
+    machine cannot honour says so. (The executor does not open such receivers yet: it receives a
+    DPU stage's outputs in host memory and stages them to the GPU through its pinned ring.)"""
     stages = {s.name: s for s in plan.stages}
     out = []
     for t in plan.transfers:
@@ -171,3 +175,29 @@ def _first_rdma_device() -> str | None:
     except Exception:  # no rdma-core / pyverbs here
         return None
     return found[0] if found else None
+
+
+class GpuRing:
+    """An rdma ring in GPU memory: one plain cudaMalloc allocation (not the pool's), so that the
+    NIC pins exactly this range; `array` is a CuPy uint8 view of it (the receiver's slots)."""
+
+    def __init__(self, gpu: int, nbytes: int) -> None:
+        import cupy
+
+        self.gpu, self.nbytes = gpu, nbytes
+        with cupy.cuda.Device(gpu):
+            self._mem = cupy.cuda.Memory(max(nbytes, 1))
+            self.array = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(self._mem, 0))
+        self.ptr = int(self._mem.ptr)
+
+    def close(self) -> None:
+        """Free the memory (after its region is deregistered); idempotent."""
+        self.array = None
+        self._mem = None
+
+
+def register(endpoint: Any, ring: GpuRing, kind: str) -> Any:
+    """The NIC's memory region over a GPU ring, the way `kind` allows."""
+    if kind != PEERMEM:
+        raise ValueError(f"cannot register GPU memory as {kind!r} in this version")
+    return endpoint.register_address(ring.ptr, ring.nbytes, remote=True)

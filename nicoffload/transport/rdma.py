@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
-from nicoffload.transport import verbs
+from nicoffload.transport import gpudirect, verbs
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import (
     HEADER_SIZE,
@@ -55,8 +55,9 @@ _SHUTDOWN = encode(Header(Kind.SHUTDOWN))
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
-def parse(address: str) -> tuple[str, int, str | None]:
-    """(host, port, device) of `rdma://HOST:PORT[?device=NAME]`; TransportError otherwise."""
+def parse(address: str) -> tuple[str, int, str | None, int | None]:
+    """(host, port, device, gpu) of `rdma://HOST:PORT[?device=NAME][&gpu=N]`; TransportError
+    otherwise. `gpu` asks a receiver for its ring in that GPU's memory where GPUDirect allows."""
     try:
         parts = urlsplit(address)
         host, port = parts.hostname, parts.port
@@ -68,12 +69,14 @@ def parse(address: str) -> tuple[str, int, str | None]:
         or not host
         or port is None
         or parts.path not in ("", "/")
-        or set(query) - {"device"}
+        or set(query) - {"device", "gpu"}
+        or not all(v.isdigit() for v in query.get("gpu", []))
     ):
         raise TransportError(
-            f"bad rdma address {address!r}: expected rdma://HOST:PORT[?device=NAME]"
+            f"bad rdma address {address!r}: expected rdma://HOST:PORT[?device=NAME][&gpu=N]"
         )
-    return host, port, query.get("device", [None])[0]
+    gpu = query.get("gpu", [None])[0]
+    return host, port, query.get("device", [None])[0], None if gpu is None else int(gpu)
 
 
 def _ring(slots: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,15 +99,15 @@ class RdmaSender(SlotSender):
         self._ep: verbs.Endpoint | None = None
         try:
             welcome = self._open(address, sock, timeout)
-            peer, remote, rkey = _remote(welcome.segment)
+            peer, (remote, rkey), (heads, heads_rkey) = _remote(welcome.segment)
             self._ep = verbs.Endpoint(
                 device, send_depth=2 * self.slots + 4, recv_depth=self.slots + 4
             )
             self._ep.connect(peer)
             self._buf, self._stage, self._heads = _ring(self.slots, self.slot_bytes)
             self._mr = self._ep.register(self._buf, remote=False)
-            self._ring_addr, self._heads_addr = remote, remote + self._stage.nbytes
-            self._rkey = rkey
+            self._ring_addr, self._rkey = remote, rkey
+            self._heads_addr, self._heads_rkey = heads, heads_rkey
             self._ch.send(encode(Header(Kind.ACK), self._ep.me.encode()))
             _expect(self._ch, Kind.ACK, timeout)  # the receiver's QP is ready to receive
         except BaseException as exc:
@@ -133,7 +136,7 @@ class RdmaSender(SlotSender):
         if layout.nbytes:
             ep.write(self._mr, start, layout.nbytes, self._rkey, self._ring_addr + start)
         head_at = self._stage.nbytes + at
-        ep.write_imm(self._mr, head_at, head_len, self._rkey, self._heads_addr + at, slot)
+        ep.write_imm(self._mr, head_at, head_len, self._heads_rkey, self._heads_addr + at, slot)
 
     def _take_credits(self, timeout: float | None) -> None:
         assert self._ep is not None
@@ -179,10 +182,12 @@ class RdmaSender(SlotSender):
             self._detach()
 
 
-def _remote(segment: str) -> tuple[verbs.Peer, int, int]:
+def _remote(segment: str) -> tuple[verbs.Peer, tuple[int, int], tuple[int, int]]:
+    """The receiver's endpoint, its ring (address, rkey) and its head areas (address, rkey):
+    two regions, since a GPU ring's heads stay in host memory for the receiver's CPU."""
     try:
-        peer, addr, rkey = segment.split("|")
-        return verbs.Peer.decode(peer), int(addr), int(rkey)
+        peer, addr, rkey, heads, heads_rkey = segment.split("|")
+        return verbs.Peer.decode(peer), (int(addr), int(rkey)), (int(heads), int(heads_rkey))
     except ValueError:
         raise FrameError(f"malformed frame: meta: rdma endpoint {segment!r}") from None
 
@@ -194,23 +199,53 @@ class RdmaReceiver(OneSenderReceiver):
     transport = "rdma"
 
     def __init__(
-        self, address: str, listener: socket.socket, device: str, slots: int, slot_bytes: int
+        self,
+        address: str,
+        listener: socket.socket,
+        device: str,
+        slots: int,
+        slot_bytes: int,
+        gpu: int | None = None,
     ) -> None:
         self._ep = verbs.Endpoint(device, send_depth=slots + 4, recv_depth=slots + 4)
+        self.destination: gpudirect.Destination | None = None
+        self._gpu_ring: gpudirect.GpuRing | None = None
         try:
-            self._buf, ring, self._heads = _ring(slots, slot_bytes)
-            self._mr = self._ep.register(self._buf, remote=True)
+            ring, ring_mr, self._heads, heads_mr = self._regions(device, slots, slot_bytes, gpu)
+            self._segment = "|".join(
+                map(str, (self._ep.me.encode(), ring_mr.buf, ring_mr.rkey, heads_mr.buf,
+                          heads_mr.rkey))
+            )  # fmt: skip
             self._unpack = Unpacker(ring, slot_bytes)
             self._ledger = Ledger(f"receiver at {address}")
             self._queue: collections.deque[Delivery] = collections.deque()
             super().__init__(address, listener, slots, slot_bytes)
         except BaseException:
             self._ep.close()
+            if self._gpu_ring is not None:
+                self._gpu_ring.close()
             raise
 
+    def _regions(
+        self, device: str, slots: int, slot_bytes: int, gpu: int | None
+    ) -> tuple[Any, Any, np.ndarray, Any]:
+        """The ring and the head areas, each registered as a region of its own: the ring in GPU
+        memory where GPUDirect is possible and asked for (`gpu`), else in host memory (which a
+        GpuLanding can copy to the GPU); the heads always in host memory."""
+        if gpu is not None:
+            self.destination = gpudirect.choose(gpudirect.probe(device), gpudirect.supported())
+        if self.destination is not None and self.destination.gpudirect:
+            self._gpu_ring = gpudirect.GpuRing(gpu or 0, slots * slot_stride(slot_bytes))
+            ring_mr = gpudirect.register(self._ep, self._gpu_ring, self.destination.kind)
+            heads = np.zeros(slots * HEAD_BYTES, np.uint8)
+            return self._gpu_ring.array, ring_mr, heads, self._ep.register(heads, remote=True)
+        buf, ring, heads = _ring(slots, slot_bytes)
+        self._buf = buf  # the memory both regions lie in
+        ring_mr = self._ep.register(ring, remote=True)
+        return ring, ring_mr, heads, self._ep.register(heads, remote=True)
+
     def _shake(self, ch: Channel) -> None:
-        segment = f"{self._ep.me.encode()}|{self._mr.buf}|{self._mr.rkey}"
-        ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, segment)))
+        ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, self._segment)))
         peer = verbs.Peer.decode(decode_meta(_expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT), str))
         self._ep.connect(peer)
         ch.send(encode(Header(Kind.ACK)))
@@ -289,12 +324,14 @@ class RdmaReceiver(OneSenderReceiver):
         self._ledger.close()
         self._queue.clear()
         self._ep.close()
+        if self._gpu_ring is not None:
+            self._gpu_ring.close()
 
 
 def connect(
     address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
 ) -> RdmaSender:
-    host, port, _ = parse(address)  # ?device= names the receiver's device, not this side's
+    host, port, _, _ = parse(address)  # ?device=, ?gpu= are the receiver's, not this side's
     device = verbs.pick_device(os.environ.get(DEVICE_ENV))
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -312,7 +349,7 @@ def connect(
 
 
 def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
-    host, port, wanted = parse(address)
+    host, port, wanted, gpu = parse(address)
     device = verbs.pick_device(wanted or os.environ.get(DEVICE_ENV))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -321,9 +358,9 @@ def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
         raise TransportError(f"cannot listen on {address}: {exc}") from exc
     try:
         shown = f"[{host}]" if family == socket.AF_INET6 else host
-        query = f"?device={wanted}" if wanted else ""
-        real = f"rdma://{shown}:{listener.getsockname()[1]}{query}"
-        return RdmaReceiver(real, listener, device, slots, slot_bytes)
+        query = "&".join(f"{k}={v}" for k, v in (("device", wanted), ("gpu", gpu)) if v is not None)
+        real = f"rdma://{shown}:{listener.getsockname()[1]}{'?' + query if query else ''}"
+        return RdmaReceiver(real, listener, device, slots, slot_bytes, gpu)
     except BaseException:
         listener.close()
         raise

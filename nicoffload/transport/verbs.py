@@ -220,16 +220,21 @@ class Endpoint:
 
     def register(self, array: np.ndarray, *, remote: bool) -> Any:
         """A memory region over `array` (zero-copy: the verbs device reads or writes it)."""
-        e, mr = self.enums, _mod("mr")
-        flags = e.IBV_ACCESS_LOCAL_WRITE
-        if remote:
-            flags |= e.IBV_ACCESS_REMOTE_WRITE
+        return self.register_address(array.ctypes.data, array.nbytes, remote=remote)
+
+    def _flags(self, remote: bool) -> int:
+        e = self.enums
+        return e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote else 0)
+
+    def register_address(self, address: int, nbytes: int, *, remote: bool) -> Any:
+        """A memory region over `nbytes` at `address`: host memory, or GPU memory where
+        nvidia-peermem lets the verbs driver pin it."""
         try:
             return self._keep(
-                mr.MR(self.pd, max(array.nbytes, 1), flags, address=array.ctypes.data)
+                _mod("mr").MR(self.pd, max(nbytes, 1), self._flags(remote), address=address)
             )
         except Exception as exc:
-            raise _verbs_error(f"registering {array.nbytes} bytes on {self.device}", exc) from exc
+            raise _verbs_error(f"registering {nbytes} bytes on {self.device}", exc) from exc
 
     def connect(self, peer: Peer) -> None:
         """Move the QP through INIT, RTR and RTS towards `peer`."""

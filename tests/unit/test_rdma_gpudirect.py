@@ -19,10 +19,13 @@ def choose(caps: GpuCaps):
     return gpudirect.choose(caps, EVERY_KIND)
 
 
-def test_what_this_version_cannot_land_into_is_pinned_host_memory_and_says_so() -> None:
+def test_this_version_lands_through_peermem_and_passes_over_dma_buf_saying_so() -> None:
     dest = gpudirect.choose(ALL)
+    assert dest.kind == PEERMEM and dest.gpudirect  # dma-buf is not built: the next best
+    only_dmabuf = dataclasses.replace(ALL, peermem=False)
+    dest = gpudirect.choose(only_dmabuf)
     assert dest.kind == PINNED and not dest.gpudirect
-    assert "gpudirect-dmabuf is available" in dest.reason and "not built" in dest.reason
+    assert "gpudirect-dmabuf is available, but this version does not register" in dest.reason
 
 
 def test_dma_buf_is_preferred_when_both_paths_exist() -> None:
@@ -79,7 +82,7 @@ def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None
     assert all("dma-buf export in the CUDA driver missing" in r["reason"] for r in rows)
     gpudirect_links = [r for r in rows if r["link"] == "rdma-gpudirect"]
     assert gpudirect_links and all("pinned host memory" in r["warning"] for r in gpudirect_links)
-    # a machine that could do GPUDirect is told this version does not, per transfer
+    # with nvidia-peermem the ring is registered GPU memory: no warning on a gpudirect link
     rows = for_plan(plan, ALL)
-    assert {r["destination"] for r in rows} == {PINNED}
-    assert all("not built" in r["reason"] for r in rows)
+    assert {r["destination"] for r in rows} == {PEERMEM}
+    assert not any("warning" in r for r in rows)

@@ -13,9 +13,10 @@ from nicoffload.transport import rdma, verbs
 @pytest.mark.parametrize(
     ("address", "parsed"),
     [
-        ("rdma://10.0.0.2:7000", ("10.0.0.2", 7000, None)),
-        ("rdma://host:1?device=rxe0", ("host", 1, "rxe0")),
-        ("rdma://[::1]:9", ("::1", 9, None)),
+        ("rdma://10.0.0.2:7000", ("10.0.0.2", 7000, None, None)),
+        ("rdma://host:1?device=rxe0", ("host", 1, "rxe0", None)),
+        ("rdma://[::1]:9", ("::1", 9, None, None)),
+        ("rdma://host:1?device=mlx5_0&gpu=1", ("host", 1, "mlx5_0", 1)),
     ],
 )
 def test_an_rdma_address_names_host_port_and_maybe_the_device(address: str, parsed: tuple) -> None:
@@ -23,7 +24,8 @@ def test_an_rdma_address_names_host_port_and_maybe_the_device(address: str, pars
 
 
 @pytest.mark.parametrize(
-    "address", ["rdma://host", "tcp://host:1", "rdma://host:1/x", "rdma://host:1?dev=x"]
+    "address",
+    ["rdma://host", "tcp://host:1", "rdma://host:1/x", "rdma://host:1?dev=x", "rdma://h:1?gpu=a"],
 )
 def test_a_bad_rdma_address_says_the_right_form(address: str) -> None:
     with pytest.raises(TransportError, match=r"expected rdma://HOST:PORT\[\?device=NAME\]"):
