@@ -153,8 +153,9 @@ def plan(
     runnable: bool | None = typer.Option(
         None,
         "--runnable/--any-shape",
-        help="only plans the runtime runs today ([a DPU stage] -> host CPU -> [a GPU stage]); "
-        "default: on for this machine (no --topology), off for a topology file",
+        help="only plans the runtime runs today: an optional DPU stage first, then host CPU "
+        "stages, then an optional GPU stage; default: on for this machine (no --topology), off "
+        "for a topology file",
     ),
 ) -> None:
     """Place every node on a device (exact: DP for chains, MILP for DAGs) and explain why."""
