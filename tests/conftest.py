@@ -12,3 +12,19 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_measured_profiles(tmp_path_factory: pytest.TempPathFactory):
+    """Tests never read this machine's measured profiles (`nicoffload profile` writes them to
+    ~/.cache/nicoffload/profiles): what a plan looks like must not depend on who ran `make run`
+    before. A test that needs a measured profile writes one into its own folder."""
+    import os
+
+    old = os.environ.get("NICOFFLOAD_PROFILES")
+    os.environ["NICOFFLOAD_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))
+    yield
+    if old is None:
+        os.environ.pop("NICOFFLOAD_PROFILES", None)
+    else:
+        os.environ["NICOFFLOAD_PROFILES"] = old
