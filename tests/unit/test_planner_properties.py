@@ -52,6 +52,30 @@ def random_topology(rng: np.random.Generator) -> Topology:
     return Topology("random", devices, links, str(rng.choice(ids)), str(rng.choice(ids)))
 
 
+def _model(topo, rt, cost, groups, refs, mem, mem_cap) -> CostModel:
+    """The CostModel of random nodes (cost rows) on a random topology and its routes."""
+    n = len(cost)
+    return CostModel(
+        nodes=tuple(f"n{v}" for v in range(n)),
+        devices=topo.ids,
+        resources=rt.resources,
+        divisor=rt.divisor,
+        cost=cost,
+        why_not={},
+        work=np.ones(n),
+        groups=tuple(groups),
+        refs=tuple(refs),
+        route_load=rt.load,
+        route_ms=rt.ms,
+        route_ms_per_byte=rt.ms_per_byte,
+        mem=mem,
+        mem_cap=mem_cap,
+        host=np.array([d.kind == "cpu" for d in topo.devices]),
+        ingress=topo.ids.index(topo.ingress),
+        egress=topo.ids.index(topo.egress),
+    )
+
+
 def random_model(seed: int, chain: bool | None = None) -> CostModel:
     """A random DAG (or chain) of up to 8 nodes on a random topology, with random profiles."""
     rng = np.random.default_rng(seed)
@@ -81,25 +105,7 @@ def random_model(seed: int, chain: bool | None = None) -> CostModel:
         v += 1
     mem = rng.uniform(1.0, 10.0, n)
     mem_cap = rng.choice([np.inf, np.inf, 0.4, 0.7, 0.9], D) * mem.sum()
-    return CostModel(
-        nodes=tuple(f"n{v}" for v in range(n)),
-        devices=topo.ids,
-        resources=rt.resources,
-        divisor=rt.divisor,
-        cost=np.where(allowed, cost, np.inf),
-        why_not={},
-        work=np.ones(n),
-        groups=tuple(groups),
-        refs=tuple(refs),
-        route_load=rt.load,
-        route_ms=rt.ms,
-        route_ms_per_byte=rt.ms_per_byte,
-        mem=mem,
-        mem_cap=mem_cap,
-        host=np.array([d.kind == "cpu" for d in topo.devices]),
-        ingress=topo.ids.index(topo.ingress),
-        egress=topo.ids.index(topo.egress),
-    )
+    return _model(topo, rt, np.where(allowed, cost, np.inf), groups, refs, mem, mem_cap)
 
 
 def random_branches(seed: int) -> CostModel:
@@ -153,25 +159,7 @@ def random_branches(seed: int) -> CostModel:
                 delta = np.where(rng.random(D) < 0.3, np.nan, rng.uniform(-0.5, 0.2, D))
                 groups.append(Group((v, v + 1), "a+b", delta))
     mem_cap = rng.choice([np.inf, np.inf, 0.4, 0.7, 0.9], D) * mem.sum()
-    return CostModel(
-        nodes=tuple(f"n{v}" for v in range(n)),
-        devices=topo.ids,
-        resources=rt.resources,
-        divisor=rt.divisor,
-        cost=cost,
-        why_not={},
-        work=np.ones(n),
-        groups=tuple(groups),
-        refs=tuple(sorted(refs, key=lambda r: r.src)),
-        route_load=rt.load,
-        route_ms=rt.ms,
-        route_ms_per_byte=rt.ms_per_byte,
-        mem=mem,
-        mem_cap=mem_cap,
-        host=np.array([d.kind == "cpu" for d in topo.devices]),
-        ingress=topo.ids.index(topo.ingress),
-        egress=topo.ids.index(topo.egress),
-    )
+    return _model(topo, rt, cost, groups, sorted(refs, key=lambda r: r.src), mem, mem_cap)
 
 
 def random_goal(model: CostModel, seed: int) -> Goal:
