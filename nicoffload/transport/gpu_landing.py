@@ -20,15 +20,13 @@ version; `gpudirect.choose` says so where a machine could do it.)
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from nicoffload.errors import DeviceError, TransportError
 from nicoffload.transport.base import Delivery, Receiver
-
-PINNED_HOST = "pinned-host"
 
 
 @dataclass
@@ -68,7 +66,6 @@ class GpuDelivery:
 class _Pending:
     delivery: Delivery
     event: Any
-    landed: GpuDelivery = field(repr=False)
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -80,8 +77,6 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 class GpuLanding:
     """Copies each delivery of `receiver` to the GPU (see the module's docstring)."""
-
-    kind = PINNED_HOST
 
     def __init__(
         self, receiver: Receiver, gpu: Any = None, *, stream: Any = None, timing: bool = False
@@ -98,19 +93,12 @@ class GpuLanding:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._closed = False
         self.copies = 0
-        self.bytes = 0
 
     def __enter__(self) -> GpuLanding:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def describe(self) -> str:
-        return (
-            f"GPU destination: {self.kind} (ring page-locked for CUDA, asynchronous copies on "
-            f"{self.gpu.device})"
-        )
 
     def recv(self, timeout: float | None = None) -> GpuDelivery | None:
         """The next batch in device memory (its copy issued, maybe not finished: see `on`);
@@ -154,9 +142,8 @@ class GpuLanding:
         landed = GpuDelivery(
             d.slot, d.request_id, d.batch_size, out, dict(d.meta), event, nbytes, started
         )
-        self._pending.append(_Pending(d, event, landed))
+        self._pending.append(_Pending(d, event))
         self.copies += 1
-        self.bytes += nbytes
         return landed
 
     def _register(self, view: np.ndarray) -> None:
