@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -239,8 +240,7 @@ class RdmaReceiver(OneSenderReceiver):
             ring_mr = gpudirect.register(self._ep, self._gpu_ring, self.destination.kind)
             heads = np.zeros(slots * HEAD_BYTES, np.uint8)
             return self._gpu_ring.array, ring_mr, heads, self._ep.register(heads, remote=True)
-        buf, ring, heads = _ring(slots, slot_bytes)
-        self._buf = buf  # the memory both regions lie in
+        _, ring, heads = _ring(slots, slot_bytes)  # two views of one buffer (they keep it)
         ring_mr = self._ep.register(ring, remote=True)
         return ring, ring_mr, heads, self._ep.register(heads, remote=True)
 
