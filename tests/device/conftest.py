@@ -16,7 +16,7 @@ def gpu():
     found = availability()
     if not found.ok:
         pytest.skip(f"no usable GPU here: {found.reason}")
-    import nicoffload.ops.gpu_decode  # noqa: F401  (registers the GPU kernels)
+    import nicoffload.ops.gpu_decode  # registers the GPU kernels
     import nicoffload.ops.gpu_image  # noqa: F401
     from nicoffload.devices.gpu import device
 

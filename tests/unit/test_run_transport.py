@@ -45,6 +45,6 @@ def test_an_rdma_plan_without_an_rdma_device_fails_naming_the_device():
         found = []
     if found:
         pytest.skip(f"this machine has RDMA devices: {found}")
-    with pytest.raises(DeviceError, match="dpu0: the plan moves stage 's0-dpu0' outputs over rdma"):
-        with open_front(prepared("rdma")):
-            pass
+    expected = "dpu0: the plan moves stage 's0-dpu0' outputs over rdma"
+    with pytest.raises(DeviceError, match=expected), open_front(prepared("rdma")):
+        pass
