@@ -156,6 +156,12 @@ def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
     device = prep.topology.device(first.device)
     from nicoffload.runtime.remote import open_front as _open
 
+    gpu = None
+    stages = prep.plan.stages
+    if len(stages) > 1 and stages[1].kind == "gpu":  # DPU -> GPU: land the outputs on the GPU
+        from nicoffload.devices.gpu import device as gpu_device
+
+        gpu = gpu_device()
     with _open(
         prep.pipeline,
         prep.plan,
@@ -163,6 +169,7 @@ def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
         device,
         transport=_transport(prep, first),
         token_file=prep.token_file,
+        gpu=gpu,
     ) as front:
         yield front
 
@@ -225,6 +232,13 @@ def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> N
                     "ms_per_batch": round(t.flight_ns / t.timed / 1e6, 4) if t.timed else None,
                     "predicted_ms_per_item": tr.predicted_ms_per_item,
                 }
+                if front.landing is not None:  # the outputs went straight to the GPU stage
+                    stats.transfers[f"{tr.src_stage}->{tr.dst_stage}"]["gpu_landing"] = {
+                        "destination": front.destination.kind,
+                        "reason": front.destination.reason,
+                        "batches": front.landing.copies,
+                        "bytes": front.landing.bytes,
+                    }
         stats.failover = ex.failed_over
     for plan, times in ex.step_times():
         cpu = {k: t.cpu_ms for k, t in times.items()}

@@ -45,6 +45,11 @@ def summary_table(stats: RunStats) -> Table:
             f"transfer {name}",
             f"{tr['tensor']} over {tr['transport']}: {tr['bytes_per_item'] / 1e3:.0f} KB/item, {tr['batches']} batches{flight}",
         )
+        if land := tr.get("gpu_landing"):
+            t.add_row(
+                "  into the GPU",
+                f"{land['destination']}: {land['batches']} batches ({land['reason']})",
+            )
     if doc.get("failover"):
         t.add_row("failover", f"the DPU agent's items ran on the host: {doc['failover']}")
     return t

@@ -134,7 +134,9 @@ class Executor:
         self.batch_size = pipeline.batch_max_size
         self.max_wait_s = pipeline.batch_max_wait_ms / 1000
         keep = {str(r) for r in pipeline.outputs.values()}
-        self.gpu = None if tail is None else GpuFeed(pipeline, tail, keep, gpu_stage)
+        # without host stages nothing writes the GPU stage's rows in place: they are collected
+        # (landed in GPU memory already when a DPU stage feeds the GPU stage through a landing)
+        self.gpu = None if tail is None else GpuFeed(pipeline, tail, keep, gpu_stage, bool(stages))
         host_keep = keep | set(self.gpu.inputs if self.gpu else ())
         self.host = tuple(Stage(pipeline, s, host_keep) for s in stages)
         self.fallback: tuple[Stage, ...] = self.host

@@ -2,7 +2,9 @@
 
 When the tensor crossing from the host has a static shape, each batch's rows are views of a
 pinned staging slot that the host workers write straight into (one copy to the device, none on
-the host); otherwise each row's value is collected as the host stages leave it.
+the host); otherwise each row's value is collected as the host stages (or the DPU agent's
+deliveries) leave it. When a DPU stage feeds the GPU stage directly through a `GpuLanding`,
+the rows arrive in GPU memory already and each batch is gathered there.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ class GpuFeed:
     """A GPU StagePlan plus how the host hands it batches (`rows`, `collect`, `run`)."""
 
     def __init__(
-        self, pipeline: Pipeline, plan: StagePlan, keep: set[str], stage: Any = None
+        self,
+        pipeline: Pipeline,
+        plan: StagePlan,
+        keep: set[str],
+        stage: Any = None,
+        in_place: bool = True,
     ) -> None:
         if stage is None:
             from nicoffload.runtime.gpu_stage import GpuStage
@@ -51,8 +58,9 @@ class GpuFeed:
         self.specs = specs
         # One pinned slot per batch: with several crossing tensors, each would hold a slot of
         # the ring and the batches in flight would starve it; those go the collecting way.
+        # `in_place`: host stages produce the crossing tensor (else its rows are collected)
         static = [k for k, s in specs.items() if s.static]
-        self.pinned = static[0] if len(self.inputs) == 1 and static else None
+        self.pinned = static[0] if len(self.inputs) == 1 and static and in_place else None
 
     def close(self) -> None:
         self.stage.close()
@@ -95,11 +103,32 @@ class GpuFeed:
             end = hb.offsets[n - 1] + hb.arrays[n - 1].nbytes
             out[self.pinned] = replace(hb, arrays=hb.arrays[:n], offsets=hb.offsets[:n], nbytes=end)
         for k, vals in rows.values.items():
+            if any(hasattr(v, "is_cuda") for v in vals[:n]):
+                out[k] = self._gathered(k, vals[:n], ok)
+                continue
             out[k] = [
                 v if ok[i] and v is not None else self._placeholder(k)
                 for i, v in enumerate(vals[:n])
             ]
         return out
+
+    def _gathered(self, key: str, vals: list[Any], ok: np.ndarray) -> Any:
+        """Rows landed in GPU memory as one batch there: a (n, ...) tensor for a static shape,
+        else a list. Rows the host computed instead (items taken back from a dead agent) are
+        copied up; failed rows are zeros. Waits for the gathering copies, so that the stage's
+        own streams find the batch complete."""
+        gpu = self.stage.gpu
+        torch, spec = gpu.torch, self.specs[key]
+        rows = []
+        for i, v in enumerate(vals):
+            if not ok[i] or v is None:
+                v = self._placeholder(key)
+            if isinstance(v, np.ndarray):
+                v = torch.from_numpy(v)
+            rows.append(v.to(gpu.device))
+        batch = torch.stack(rows) if spec.static else rows
+        torch.cuda.current_stream(gpu.device).synchronize()
+        return batch
 
     def run(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[Any]:
         """The stage's finished GpuBatches, in order."""

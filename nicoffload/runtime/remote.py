@@ -56,12 +56,26 @@ class _Release:
 
 
 class RemoteFront:
-    """Submit items to an agent and turn its deliveries back into host work."""
+    """Submit items to an agent and turn its deliveries back into host work.
 
-    def __init__(self, stage: StagePlan, client: Any, receiver: Receiver, keys: list[str]) -> None:
+    With a `landing` (the stage's outputs go straight to a GPU stage), deliveries are landed in
+    GPU memory as they arrive and the rows handed on are CUDA tensors; `destination` says how
+    (`gpudirect.Destination`: the NIC writing GPU memory, or a pinned host ring and a copy)."""
+
+    def __init__(
+        self,
+        stage: StagePlan,
+        client: Any,
+        receiver: Receiver,
+        keys: list[str],
+        landing: Any = None,
+        destination: Any = None,
+    ) -> None:
         self.stage = stage
         self.client = client  # an AgentClient with the stage loaded, forwarding to `receiver`
         self.receiver = receiver
+        self.landing = landing  # a GpuLanding over `receiver`, or None: rows stay in host memory
+        self.destination = destination
         self.keys = keys  # the value keys the host needs from the stage
         self.pending: dict[int, Any] = {}
         self.lock = threading.Lock()
@@ -89,7 +103,9 @@ class RemoteFront:
     def receive(
         self,
         finished: Callable[[], bool],
-        on_row: Callable[[Any, dict[str, Any] | None, tuple[str, str] | None, _Release], None],
+        on_row: Callable[
+            [Any, dict[str, Any] | None, tuple[str, str] | None, Callable[[], None]], None
+        ],
         on_death: Callable[[str], None],
     ) -> None:
         """Loop until `finished()`: claim each delivered row and hand it to `on_row`."""
@@ -98,7 +114,7 @@ class RemoteFront:
                 on_death(self.dead or "the agent stopped answering")
                 return
             try:
-                d = self.receiver.recv(timeout=POLL_S)
+                d = (self.landing or self.receiver).recv(timeout=POLL_S)
             except TransportError as exc:
                 if " within " in str(exc):  # an idle poll, not a failure
                     continue
@@ -109,7 +125,8 @@ class RemoteFront:
                 return
             self._take(d, on_row)
 
-    def _take(self, d: Delivery, on_row) -> None:
+    def _take(self, d: Any, on_row) -> None:
+        """Claim a delivery's rows (a `Delivery`, or a `GpuDelivery` from the landing)."""
         now = time.time_ns()
         t = self.transfer
         t.batches += 1
@@ -125,9 +142,15 @@ class RemoteFront:
                 if task is not None:  # None: a duplicate, or an item already taken back
                     claimed.append((row, rid, task))
         t.items += len(claimed)
-        release = _Release(self.receiver, d, len(claimed))
-        if not claimed:
-            self.receiver.release(d)
+        if self.landing is not None:
+            # the landing gives the slot back itself once its copy is done; the rows are views
+            # of fresh device tensors, complete once the copy has finished
+            release: Callable[[], None] = _nothing
+            d.wait()
+        else:
+            release = _Release(self.receiver, d, len(claimed))
+            if not claimed:
+                self.receiver.release(d)
         for row, rid, task in claimed:
             if rid in failed:
                 on_row(task, None, tuple(failed[rid]), release)
@@ -149,6 +172,10 @@ class RemoteFront:
             return {}
 
 
+def _nothing() -> None:
+    return None
+
+
 @contextlib.contextmanager
 def open_front(
     pipeline: Pipeline,
@@ -159,9 +186,15 @@ def open_front(
     transport: str = "tcp",
     token_file: str | Path | None = None,
     slots: int = 4,
+    gpu: Any = None,
 ) -> Iterator[RemoteFront]:
     """Reach the agent of `device` (start one on loopback when the device is emulated), load the
-    stage on it, and listen for what it forwards. Everything is closed on the way out."""
+    stage on it, and listen for what it forwards. Everything is closed on the way out.
+
+    `gpu` (a `GpuDevice`): the stage's outputs go straight to a GPU stage, so they are landed in
+    that GPU's memory as they arrive (`GpuLanding`): over rdma the receiver's ring is GPU memory
+    itself where GPUDirect is possible (`rdma://...?gpu=N`), otherwise, and over shm and tcp,
+    the receiver's host ring is page-locked and each batch copied to the GPU asynchronously."""
     from dpu_agents import auth
     from dpu_agents.local import LocalAgent
     from nicoffload.agent_client import AgentClient
@@ -202,11 +235,21 @@ def open_front(
             client = stack.enter_context(AgentClient(address, auth.read_token(token_file)))
         except (AgentError, OSError) as exc:
             raise DeviceError(f"{device.id}: no DPU agent answers at {address}: {exc}") from exc
+        on_gpu = "" if gpu is None else f"&gpu={gpu.device.index or 0}"
         where = {
             "shm": f"shm://nicoffload-{secrets.token_hex(6)}",
-            "rdma": f"rdma://{client.local_host}:0?device={rdma_device}",
+            "rdma": f"rdma://{client.local_host}:0?device={rdma_device}{on_gpu}",
         }.get(transport, f"tcp://{client.local_host}:0")
         rx = stack.enter_context(listen(where, slots=slots, slot_bytes=slot_bytes))
+        landing = destination = None
+        if gpu is not None:
+            from nicoffload.transport import gpudirect
+            from nicoffload.transport.gpu_landing import GpuLanding
+
+            destination = getattr(rx, "destination", None) or gpudirect.Destination(
+                gpudirect.PINNED, gpudirect.host_ring_reason(transport)
+            )
+            landing = stack.enter_context(GpuLanding(rx, gpu))  # closed before the receiver
         client.load(
             Path(pipeline.path).read_text(encoding="utf-8"),
             plan,
@@ -215,7 +258,7 @@ def open_front(
             batch_max_size=batch,
             batch_max_wait_ms=pipeline.batch_max_wait_ms,
         )
-        yield RemoteFront(stage, client, rx, keys)
+        yield RemoteFront(stage, client, rx, keys, landing, destination)
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ The slot goes back to the sender only once that copy has completed (a CUDA event
 never overwrites a slot the GPU is still reading. `recv` returns as soon as a batch's copy is
 issued (the caller queues its GPU work behind it), and the next `recv` first waits for that copy
 and gives its slot back, so the sender, writing the next batch into another slot meanwhile, is
-never left waiting on a slot only the caller could free. (A ring that is GPU memory itself,
-registered with the NIC through dma-buf or nvidia-peermem, would need no copy: not built in this
-version; `gpudirect.choose` says so where a machine could do it.)
+never left waiting on a slot only the caller could free. An rdma ring in GPU memory itself
+(`rdma://...?gpu=N` under nvidia-peermem: the NIC writes the GPU directly) is landed the same way
+with a device-to-device copy, which frees its slot for the next write at once.
 
     with GpuLanding(receiver) as landing:
         while (d := landing.recv()) is not None:
@@ -92,7 +92,8 @@ class GpuLanding:
         self._registered: dict[int, int] = {}  # host address -> bytes
         self._pending: collections.deque[_Pending] = collections.deque()
         self._closed = False
-        self.copies = 0
+        self.copies = 0  # batches landed
+        self.bytes = 0
 
     def __enter__(self) -> GpuLanding:
         return self
@@ -122,28 +123,33 @@ class GpuLanding:
         out: dict[str, Any] = {}
         copies = []
         with torch.cuda.stream(self.stream):  # allocations ordered on the landing's stream
-            for name, host in d.tensors.items():
-                if host.nbytes and not host.flags.c_contiguous:
+            for name, src in d.tensors.items():
+                if src.nbytes and not src.flags.c_contiguous:
                     raise TransportError(f"tensor {name!r} of slot {d.slot} is not contiguous")
-                self._register(host)
-                dtype = _torch_dtype(torch, host.dtype)
-                out[name] = torch.empty(host.shape, dtype=dtype, device=self.gpu.device)
-                if host.nbytes:
-                    copies.append((out[name].data_ptr(), host.ctypes.data, host.nbytes))
+                on_gpu = not isinstance(src, np.ndarray)  # a ring in GPU memory (GPUDirect)
+                if not on_gpu:
+                    self._register(src)
+                dtype = _torch_dtype(torch, np.dtype(src.dtype))
+                out[name] = torch.empty(src.shape, dtype=dtype, device=self.gpu.device)
+                if src.nbytes:
+                    addr = int(src.data.ptr) if on_gpu else src.ctypes.data
+                    kind = rt.memcpyDeviceToDevice if on_gpu else rt.memcpyHostToDevice
+                    copies.append((out[name].data_ptr(), addr, src.nbytes, kind))
             started = None
             if self.timing:  # just before the copies: what is timed is the copies alone
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(self.stream)
-            for dst, src, n in copies:
-                rt.memcpyAsync(dst, src, n, rt.memcpyHostToDevice, self.stream.cuda_stream)
+            for dst, src, n, kind in copies:
+                rt.memcpyAsync(dst, src, n, kind, self.stream.cuda_stream)
             event = torch.cuda.Event(enable_timing=self.timing)
             event.record(self.stream)
-        nbytes = sum(n for _, _, n in copies)
+        nbytes = sum(c[2] for c in copies)
         landed = GpuDelivery(
             d.slot, d.request_id, d.batch_size, out, dict(d.meta), event, nbytes, started
         )
         self._pending.append(_Pending(d, event))
         self.copies += 1
+        self.bytes += nbytes
         return landed
 
     def _register(self, view: np.ndarray) -> None:

@@ -137,20 +137,23 @@ def _cuda() -> tuple[bool, bool]:
 
 
 def for_plan(plan: Any, caps: GpuCaps | None = None) -> list[dict[str, Any]]:
-    """The GPU destination of each rdma transfer of `plan` that lands on a GPU stage, as this
-    machine's capabilities decide it (`probe`, once), for a receiver opened with
-    `rdma://...?gpu=N`: what `plan` reports. A link the topology calls `rdma-gpudirect` that this
-    machine cannot honour says so. (The executor does not open such receivers yet: it receives a
-    DPU stage's outputs in host memory and stages them to the GPU through its pinned ring.)"""
+    """Where each transfer from a DPU stage straight into a GPU stage lands, as this machine's
+    capabilities decide it (`probe`, once): what `plan` reports and `run` does. Over rdma the
+    receiver asks for its ring in GPU memory (`rdma://...?gpu=N`) and `choose` decides; over shm
+    and tcp the receiver's host ring is page-locked and copied (`GpuLanding`). A link the
+    topology calls `rdma-gpudirect` that this machine cannot honour says so."""
     stages = {s.name: s for s in plan.stages}
     out = []
     for t in plan.transfers:
-        dst = stages.get(t.dst_stage)
-        if dst is None or dst.kind != "gpu" or not t.transport.startswith("rdma"):
+        src, dst = stages.get(t.src_stage), stages.get(t.dst_stage)
+        if dst is None or dst.kind != "gpu" or src is None or src.kind != "dpu":
             continue
-        if caps is None:
-            caps = probe(_first_rdma_device())
-        dest = choose(caps)
+        if t.transport.startswith("rdma"):
+            if caps is None:
+                caps = probe(_first_rdma_device())
+            dest = choose(caps)
+        else:
+            dest = Destination(PINNED, host_ring_reason(t.transport.split("+")[0]))
         row = {
             "transfer": f"{t.src_stage} -> {t.dst_stage}",
             "tensor": t.tensor,
@@ -165,6 +168,11 @@ def for_plan(plan: Any, caps: GpuCaps | None = None) -> list[dict[str, Any]]:
             )
         out.append(row)
     return out
+
+
+def host_ring_reason(transport: str) -> str:
+    """Why a receiver that is not rdma lands in host memory first."""
+    return f"a {transport} receiver's ring is host memory: page-locked, one asynchronous copy per batch"
 
 
 def _first_rdma_device() -> str | None:

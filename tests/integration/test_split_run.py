@@ -123,3 +123,31 @@ def test_killing_the_agent_mid_run_finishes_every_item_exactly_once_on_the_host(
     assert rerun.stats.failover is None and rerun.ok.all()
     assert rerun.stats.transfers["s0-dpu0->s1-cpu"]["batches"] >= 2
     np.testing.assert_array_equal(rerun.outputs["pixels"], host_outputs[:128])
+
+
+def test_a_dpu_stage_feeding_the_gpu_stage_directly_hands_it_every_row(
+    images, host_outputs, token_file
+):
+    """DPU -> GPU with no host stage between: no host worker writes the GPU stage's rows, so
+    each delivered row is collected as it arrives (no CUDA here: a stand-in GPU stage that
+    normalizes on the host; on a GPU the rows land in device memory, tests/device)."""
+    from fake_gpu import FakeGpuStage
+
+    from nicoffload.runtime.executor import Executor
+    from nicoffload.runtime.remote import open_front
+
+    stages, transfers = stages_for(PIPELINE, {**SPLIT, "norm": "gpu0"})
+    plan = Plan(PIPELINE.name, {**SPLIT, "norm": "gpu0"}, stages, transfers, topology="test")
+    items = [(str(i), {"image": b}) for i, b in enumerate(images[:150])]
+    with LocalAgent(token_file, cores=1) as agent:
+        dpu = topology_for(agent).device("dpu0")
+        with (
+            open_front(PIPELINE, plan, plan.stages[0], dpu, token_file=token_file) as front,
+            Executor(
+                PIPELINE, plan, workers=2, front=front, gpu_stage=FakeGpuStage(PIPELINE, None)
+            ) as ex,
+        ):
+            batches = [(b.ok.copy(), b.outputs["pixels"].copy()) for b in ex.stream(items)]
+    assert front.transfer.items == len(items)  # every row came from the agent
+    assert all(ok.all() for ok, _ in batches)
+    np.testing.assert_array_equal(np.concatenate([p for _, p in batches]), host_outputs[:150])
