@@ -197,7 +197,9 @@ def plan(
     for part in render(the_plan):
         console.print(part)
     for d in landing:
-        console.print(f"rdma into the GPU, {d['transfer']}: {d['destination']} ({d['reason']})")
+        console.print(
+            f"into the GPU, {d['transfer']} over {d['link']}: {d['destination']} ({d['reason']})"
+        )
         if "warning" in d:
             console.print(f"warning: {d['warning']}", style="yellow")
     if output is not None:
