@@ -33,7 +33,15 @@ from gpu_common import (  # bench/ is on sys.path when this runs as a script
     host_ms,
     timed,
 )
-from gpu_extras import decode_points, e2e, landing, nvimgcodec_bench, parity, profile
+from gpu_extras import (
+    decode_points,
+    e2e,
+    landing,
+    normalize_bounds,
+    nvimgcodec_bench,
+    parity,
+    profile,
+)
 
 # --- data: realistic JPEGs from scikit-image's photographs ------------------------------------
 
@@ -440,6 +448,10 @@ def main() -> None:
             torch, GpuStage, load_pipeline(RESNET), ceil["h2d_pinned_GBps"]
         )
         print("staged", doc["staged_h2d"], flush=True)
+        save()
+    if "bounds" in secs:  # not in the default sections: what bounds normalize (RESULTS_gpu.md)
+        doc["normalize_bounds"] = normalize_bounds(torch, ceil)
+        print("bounds", json.dumps(doc["normalize_bounds"], indent=1), flush=True)
         save()
     if "landing" in secs:
         doc["landing"] = landing(torch, ceil)

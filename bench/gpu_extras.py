@@ -8,10 +8,11 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
-from gpu_common import RESNET, decode_only_fn, timed
+from gpu_common import RESNET, cuda_ms, decode_only_fn, timed
 
 
 def parity(torch, data: dict[str, list[bytes]]) -> dict:
@@ -278,3 +279,50 @@ def landing(torch, ceil: dict, mib: int = 16, batches: int = 200) -> dict:
         "last_batches_equal": ok,
         "destination": "pinned-host (no RDMA device on this machine)",
     }
+
+
+def normalize_bounds(torch, ceil: dict) -> dict:
+    """What bounds normalize at 256x224x224x3: our kernel (fp16 and fp32 CHW, fp16 HWC) against
+    a copy of the same bytes, torch's own uint8 -> float conversion (same traffic, no
+    transpose) and a bare fill of the output alone (writes only)."""
+    from nicoffload import ops
+    from nicoffload.graph import load_pipeline
+
+    text = Path(RESNET).read_text()
+    variants = {
+        "ours_fp16_chw": (text, torch.float16, (256, 3, 224, 224)),
+        "ours_fp32_chw": (text.replace("dtype: float16", "dtype: float32"), torch.float32,
+                          (256, 3, 224, 224)),
+        "ours_fp16_hwc": (text.replace("layout: chw", "layout: hwc"), torch.float16,
+                          (256, 224, 224, 3)),
+    }  # fmt: skip
+    x = torch.randint(0, 256, (256, 224, 224, 3), dtype=torch.uint8, device="cuda")
+    res: dict = {"copy_1GiB_GBps": ceil["d2d_copy_GBps"]}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, (yaml_text, dtype, shape) in variants.items():
+            path = Path(folder) / f"{name}.yaml"
+            path.write_text(yaml_text)
+            fn = ops.get_kernel("normalize", "gpu").build([load_pipeline(path).node("norm")], ())
+            y = torch.empty(shape, dtype=dtype, device="cuda")
+            ms = cuda_ms(torch, lambda f=fn, y=y: f(x, out=y), reps=30, inner=20)
+            moved = x.numel() + y.numel() * y.element_size()
+            src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            copy_ms = cuda_ms(torch, lambda s=src, d=dst: d.copy_(s), reps=30, inner=20)
+            res[name] = {
+                "us": ms * 1e3,
+                "GBps": moved / ms / 1e6,
+                "of_1GiB_copy": moved / ms / 1e6 / ceil["d2d_copy_GBps"],
+                "of_same_size_copy": copy_ms / ms,
+            }
+    for dtype in (torch.float16, torch.float32):
+        y = torch.empty(x.shape, dtype=dtype, device="cuda")
+        ms = cuda_ms(torch, lambda y=y: y.copy_(x), reps=30, inner=20)
+        moved = x.numel() + y.numel() * y.element_size()
+        res[f"torch_uint8_to_{str(dtype)[6:]}"] = {"us": ms * 1e3, "GBps": moved / ms / 1e6}
+        ms = cuda_ms(torch, lambda y=y: y.fill_(1.0), reps=30, inner=20)
+        res[f"fill_{str(dtype)[6:]}_output"] = {
+            "us": ms * 1e3,
+            "GBps": y.numel() * y.element_size() / ms / 1e6,
+        }
+    return res
