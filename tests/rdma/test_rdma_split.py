@@ -57,18 +57,17 @@ def topology(agent_address: str, transport: str) -> Topology:
 
 
 @pytest.fixture
-def rdma_front(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Until the runner opens rdma:// for an rdma link itself, its tcp:// listen becomes rdma://
-    (the same host and port rules): the agent then forwards over verbs."""
-    opened: list[object] = []
+def rdma_front(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """Every receiver the runner opens, with the address it asked for."""
+    opened: list[tuple[str, object]] = []
     listen = nicoffload.transport.listen
 
-    def rdma_listen(address: str, **kw: int) -> object:
-        rx = listen(address.replace("tcp://", "rdma://", 1), **kw)
-        opened.append(rx)
+    def recorded(address: str, **kw: int) -> object:
+        rx = listen(address, **kw)
+        opened.append((address, rx))
         return rx
 
-    monkeypatch.setattr(nicoffload.transport, "listen", rdma_listen)
+    monkeypatch.setattr(nicoffload.transport, "listen", recorded)
     return opened
 
 
@@ -85,7 +84,8 @@ def test_a_split_run_over_rdma_equals_the_all_host_run(tmp_path, rdma_front) -> 
             PIPELINE, items, plan=split_plan(), topology=topology(agent.address, "rdma"),
             token_file=token,
         )  # fmt: skip
-    assert [type(rx) for rx in rdma_front] == [RdmaReceiver]
+    # the runner itself chose rdma:// for the plan's rdma link, on the guest's rxe device
+    assert [(a.split("://")[0], type(rx)) for a, rx in rdma_front] == [("rdma", RdmaReceiver)]
     assert result.ok.all() and result.stats.failover is None
     np.testing.assert_array_equal(result.outputs["pixels"], host.outputs["pixels"])
     (transfer,) = result.stats.to_json()["transfers"].values()
