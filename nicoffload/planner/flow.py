@@ -21,6 +21,7 @@ import numpy as np
 
 from nicoffload.planner.branches import Bucketed, Chains, bucketed
 from nicoffload.planner.cost import CostModel
+from nicoffload.planner.evaluate import REL_TOL
 
 
 @contextlib.contextmanager
@@ -192,31 +193,47 @@ class FlowProblem:
         integer = np.zeros(self.nv) if relax else self.integer
         return self._solve(objective, t_cap, h_cap, time_limit, integer)
 
-    def find(self, t_cap: float, h_cap: float, time_limit: float) -> Outcome:
-        """Any solution under the caps. HiGHS finds a packing of the counts far sooner with
-        the arcs left fractional; routing copies for fixed counts is then quick. When those
-        counts cannot be routed in integers, the whole MILP decides."""
+    def find(
+        self, t_cap: float, h_cap: float, time_limit: float, objective: str | None = None
+    ) -> Outcome:
+        """A solution under the caps; with an `objective` ("T" or "H"), the least one.
+
+        HiGHS finds a packing of the counts far sooner with the arcs left fractional; routing
+        copies for fixed counts is then quick. With the arcs fractional the problem is a
+        relaxation: infeasible, it refutes the MILP; optimal, its value bounds the MILP's, and
+        counts routed within that value are the MILP's optimum. Counts that cannot be routed
+        so are left to the whole MILP."""
         import time
 
         end = time.perf_counter() + time_limit
         integer = np.where(self.is_arc, 0.0, self.integer)
-        counts = self._solve(None, t_cap, h_cap, time_limit, integer, raw=True)
-        if isinstance(counts, Outcome):
-            if counts.status == "infeasible" or time.perf_counter() >= end:
-                return counts  # a relaxation that is infeasible: so is the MILP
-            return self._solve(None, t_cap, h_cap, end - time.perf_counter(), self.integer)
+        res = self._solve(objective, t_cap, h_cap, time_limit, integer, raw=True)
+        if isinstance(res, Outcome):
+            if res.status == "infeasible" or time.perf_counter() >= end:
+                return res  # a relaxation that is infeasible: so is the MILP
+            return self._solve(objective, t_cap, h_cap, end - time.perf_counter(), self.integer)
+        bound, exact = -np.inf, objective is not None and res.status == 0
+        if objective is not None:
+            b = res.fun if exact else getattr(res, "mip_dual_bound", None)
+            bound = -np.inf if b is None else float(b) / self.scale
+        caps = (t_cap, h_cap)
+        if exact:  # route within the relaxation's optimum
+            lim = bound * (1 + REL_TOL)
+            caps = (min(t_cap, lim), h_cap) if objective == "T" else (t_cap, min(h_cap, lim))
         fix = np.concatenate(self.counts)
         o = self._solve(
-            None,
-            t_cap,
-            h_cap,
-            end - time.perf_counter(),
-            self.integer,
-            fix=(fix, np.rint(counts[fix])),
+            None, *caps, end - time.perf_counter(), self.integer, fix=(fix, np.rint(res.x[fix]))
         )
         if o.paths is not None:
-            return o
-        return self._solve(None, t_cap, h_cap, end - time.perf_counter(), self.integer)
+            if objective is None:
+                return o
+            value = o.t if objective == "T" else o.h
+            status = "optimal" if exact else "feasible"
+            return Outcome(status, o.paths, value, value if exact else bound, o.t, o.h)
+        o = self._solve(objective, t_cap, h_cap, end - time.perf_counter(), self.integer)
+        if objective is not None and o.status != "optimal":
+            o.bound = max(o.bound, bound)
+        return o
 
     def _solve(self, objective, t_cap, h_cap, time_limit, integer, fix=None, raw=False):
         if self.empty or t_cap < 0 or h_cap < 0:
@@ -244,7 +261,7 @@ class FlowProblem:
         if res.x is None:
             return Outcome("infeasible" if res.status == 2 else "unknown", None, np.inf, bound)
         if raw:
-            return res.x
+            return res
         if not integer.any():
             return Outcome(
                 "relaxed", None, float(res.fun) / self.scale, float(res.fun) / self.scale

@@ -4,7 +4,10 @@ For a min-max load HiGHS refutes a cap below the optimum in milliseconds (a reso
 bounds its integer counts: three decodes fit on this DPU, not four), while the search for a
 packing that meets the optimum takes far longer, and longer still when it must also prove it.
 So a load stage raises a proven lower bound with short tries, searches for a packing just
-above it, and proves what it found by refuting just below. A latency stage does the same over
+above it, and proves what it found by refuting just below (as the least load under that cap,
+which HiGHS proves sooner than a bare feasibility question). Where no quick try refutes even
+a cap just above the bound, it asks at once for the least load below the best packing found,
+instead of proving cap after cap. A latency stage does the same over
 the latencies paths can have, each probe a flow problem bucketed at that bound. Tries and
 searches solve the counts first with the arcs fractional (FlowProblem.find). Each packing a
 load stage finds is polished by a local search (search.py) towards the proven bound, so one
@@ -85,10 +88,10 @@ class _Search:
         problem = self.problem(bound)
         return problem.solve(objective, t_cap, h_cap, min(limit, self.left()), relax)
 
-    def find(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
-        """Any solution under the caps (to the deadline)."""
+    def find(self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None) -> Outcome:
+        """Any solution under the caps, or the least `objective` (to the deadline)."""
         self.solves += 1
-        return self.problem(bound).find(t_cap, h_cap, self.left())
+        return self.problem(bound).find(t_cap, h_cap, self.left(), objective)
 
     def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
         """A short try: "infeasible" is a proof, "found" a solution; "unknown" says nothing.
@@ -158,6 +161,7 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
 
     best = better(best)
     hard: list[float] = []  # caps a quick try could not refute: higher ones are no easier
+    refuted = False  # whether a quick try has refuted a cap here
     while s.left() > 0:
         top = min(t_cap, best.t * BELOW) if best is not None else t_cap
         if best is not None and best.t <= lo * (1 + 4 * REL_TOL) + 1e-12:
@@ -169,12 +173,18 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
             hi = _probe_t(s, bound, top, h_cap, hard)
         step = 0.005
         while isinstance(hi, float) and hi > lo * (1 + NARROW) and s.left() > 0:
-            cap = (lo + hi) / 2 if np.isfinite(hi) else lo * (1 + step)
+            if np.isfinite(hi):
+                cap = (lo + hi) / 2 if refuted else lo * (1 + NARROW / 2)
+            else:
+                cap = lo * (1 + step)
             got = _probe_t(s, bound, cap, h_cap, hard)
             if got is None:
-                lo, step = cap, step * 2
+                lo, step, refuted = cap, step * 2, True
             elif isinstance(got, Outcome):
                 hi = got
+            elif not refuted and best is not None:  # no quick proof near the bound either
+                hi = top
+                break
             else:
                 hi = cap
         if isinstance(hi, Outcome):  # found a better packing
@@ -183,13 +193,16 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
         if hi is None:
             lo = top
             continue
-        o = s.find(bound, hi, h_cap)  # a packing up to hi, however long it takes
+        # however long it takes: a packing up to hi; for "anything better?", the best one,
+        # which HiGHS proves sooner with the objective to bound by than as a feasibility
+        o = s.find(bound, hi, h_cap, "T" if hi == top and best is not None else None)
         if o.status == "infeasible":
             lo = hi
-        elif o.paths is not None:
-            best = better(o)
-        else:
+            continue
+        lo = max(lo, min(o.bound, hi))  # nothing under the cap is below its bound
+        if o.paths is None:
             break
+        best = better(o)
     if best is None:
         return _Stage(None, np.inf, np.inf)
     return _Stage(best, best.t, _gap(best.t, lo))
