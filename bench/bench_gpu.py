@@ -41,6 +41,7 @@ from gpu_extras import (
     nvimgcodec_bench,
     parity,
     profile,
+    stage_phases,
 )
 
 # --- data: realistic JPEGs from scikit-image's photographs ------------------------------------
@@ -386,6 +387,7 @@ def pipeline_side_by_side(
                 flush=True,
             )
     res["gil_free_fraction_during_decode"] = gil_probe(torch, data["imagenet"][:256])
+    res["host_phases_imagenet_64"] = stage_phases(torch, stage, data["imagenet"])
     res["ours_step_ms_per_item"] = stage.step_ms_per_item()
     res["decode_stats"] = vars(stage.steps[0].fn.stats)
     return res

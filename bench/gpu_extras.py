@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -326,3 +327,35 @@ def normalize_bounds(torch, ceil: dict) -> dict:
             "GBps": y.numel() * y.element_size() / ms / 1e6,
         }
     return res
+
+
+def stage_phases(torch, stage, items: list[bytes], bs: int = 64, n: int = 60) -> dict:
+    """Where a decoding GpuStage's time goes, one batch at a time (medians, ms per batch):
+    headers and bytes (`_begin`), the nvJPEG call, views and the kernels' host side
+    (`_finish`), the wait for the device; and nvJPEG alone on the same batches, synchronized."""
+    import torchvision.io as tvio
+
+    batches = [[items[(k * bs + j) % len(items)] for j in range(bs)] for k in range(n)]
+    phases: dict[str, list[float]] = {"begin": [], "decode": [], "finish": [], "wait": []}
+    alone = []
+    nvjpeg = decode_only_fn(torch, tvio, False)
+    for b in batches:
+        t0 = time.perf_counter()
+        job = stage._begin({"image": b}, 0)
+        t1 = time.perf_counter()
+        stage._decode(job)
+        t2 = time.perf_counter()
+        done = stage._finish(job)
+        t3 = time.perf_counter()
+        done.wait()
+        t4 = time.perf_counter()
+        for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            phases[key].append(dt * 1e3)
+        t0 = time.perf_counter()
+        nvjpeg(b)
+        torch.cuda.synchronize()
+        alone.append((time.perf_counter() - t0) * 1e3)
+    out = {k: statistics.median(v) for k, v in phases.items()}
+    out["nvjpeg_alone"] = statistics.median(alone)
+    out["batch"] = bs
+    return out
