@@ -107,9 +107,10 @@ def test_a_killed_agent_fails_the_client_at_once(agent, token_file) -> None:
         client.stats()
         agent.kill()
         t0 = time.monotonic()
-        while client.alive and time.monotonic() - t0 < 5:
+        while client.alive and time.monotonic() - t0 < 30:  # a hang bound, not a speed target
             time.sleep(0.01)
-        assert not client.alive and time.monotonic() - t0 < 1.0
+        # at once: by the closed connection, not by a heartbeat going unanswered
+        assert not client.alive
         with pytest.raises(AgentError, match="closed the connection"):
             client.stats()
 
@@ -119,9 +120,9 @@ def test_a_hung_agent_is_declared_dead_by_the_heartbeat(agent, token_file) -> No
         os.kill(agent.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            while client.alive and time.monotonic() - t0 < 5:
+            while client.alive and time.monotonic() - t0 < 30:  # a hang bound
                 time.sleep(0.02)
-            assert not client.alive and time.monotonic() - t0 < 2.5
+            assert not client.alive  # the connection is open: only the heartbeat can tell
             with pytest.raises(AgentError, match="no answer"):
                 client.stats()
         finally:

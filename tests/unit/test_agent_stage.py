@@ -231,9 +231,10 @@ def test_a_silent_agent_is_declared_dead_by_the_heartbeat() -> None:
         f"127.0.0.1:{listener.getsockname()[1]}", TOKEN, timeout=0.5, heartbeat_s=0.1
     )
     t0 = time.monotonic()
-    while client.alive and time.monotonic() - t0 < 5:
+    while client.alive and time.monotonic() - t0 < 30:  # a hang bound, not a speed target
         time.sleep(0.02)
-    assert not client.alive and time.monotonic() - t0 < 2
+    # declared dead by the heartbeat ("no answer"), while the mute agent still holds the line
+    assert not client.alive and not release.is_set()
     with pytest.raises(AgentError, match="no answer"):
         client.stats()
     release.set()
