@@ -190,10 +190,15 @@ class _Collector:
         stats.errors_by_reason = dict(Counter(f.reason for f in failures))
         stats.latencies_s = [self.done_at[i] - feeder.sent_at[i] for i in range(n)]
         s = plan.stages[0]
+        # as `run --json` reports a stage: its kernels' CPU time per item (the planner's unit),
+        # their wall time beside it (the agent's own measurement, `kernels` in its stats)
+        kern = remote.get("kernels", {}).get(s.name, {})
         stats.stages[s.name] = {
             "device": s.device,
             "nodes": list(s.nodes),
-            "ms_per_item": remote.get("stages", {}).get(s.name, {}).get("ms_per_item", 0.0),
+            "ms_per_item": kern.get("cpu_ms_per_item", 0.0),
+            "wall_ms_per_item": kern.get("wall_ms_per_item", 0.0),
+            "steps": {k: v["cpu_ms"] for k, v in kern.get("steps", {}).items()},
         }
         ok = np.array([i in self.rows for i in range(n)], bool)
         return RunResult(list(feeder.names), outputs, ok, failures, stats)

@@ -61,6 +61,10 @@ def test_client_run_through_the_agent_matches_the_host_and_is_measured(agent, to
     assert result.ok.tolist() == ref.ok.tolist()
     assert [(f.index, f.reason) for f in result.failures] == [(10, ref.failures[0].reason)]
     assert result.stats.items == 11 and result.stats.errors == 1
+    # measured as run --json measures a stage: the kernels' CPU time, step by step, wall beside
+    (stage,) = result.stats.stages.values()
+    assert stage["ms_per_item"] == pytest.approx(sum(stage["steps"].values()), abs=1e-3)
+    assert stage["ms_per_item"] > 0 and stage["wall_ms_per_item"] > 0
     text = urllib.request.urlopen(f"http://{agent.metrics_address}/metrics", timeout=5).read()
     text = text.decode()
     assert "nicoffload_agent_requests_total 11.0" in text
