@@ -8,11 +8,9 @@ give the host's outputs, a killed agent's items must finish on the host and stil
 
 from __future__ import annotations
 
-import os
-import signal
-
 import numpy as np
 import pytest
+from agent_kill import killing_at
 
 import nicoffload
 from dpu_agents import auth
@@ -98,16 +96,9 @@ def test_a_killed_agents_items_finish_on_the_host_and_still_reach_the_gpu(
 ):
     agent = LocalAgent(token_file, cores=1)
     try:
-
-        def items():
-            for i, b in enumerate(images):
-                if i == 150:
-                    os.kill(agent.pid, signal.SIGKILL)
-                yield b
-
         result = nicoffload.run(
             PIPELINE,
-            items(),
+            killing_at(agent, images, 150),
             plan=split_plan(),
             topology=topology_for(agent, "tcp"),
             token_file=token_file,

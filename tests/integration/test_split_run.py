@@ -6,11 +6,9 @@ emulated) DPU, so the run connects to it exactly as it would to a BlueField's ag
 
 from __future__ import annotations
 
-import os
-import signal
-
 import numpy as np
 import pytest
+from agent_kill import killing_at
 
 import nicoffload
 from dpu_agents import auth
@@ -90,16 +88,9 @@ def test_killing_the_agent_mid_run_finishes_every_item_exactly_once_on_the_host(
 ):
     agent = LocalAgent(token_file, cores=1)
     try:
-
-        def items():
-            for i, b in enumerate(images):
-                if i == 700:
-                    os.kill(agent.pid, signal.SIGKILL)
-                yield b
-
         result = nicoffload.run(
             PIPELINE,
-            items(),
+            killing_at(agent, images, 700),
             plan=split_plan(),
             topology=topology_for(agent),
             token_file=token_file,
