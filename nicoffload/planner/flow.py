@@ -80,6 +80,7 @@ class FlowProblem:
         self._col = 0
         self.offsets: list[int] = []
         self.counts: list[np.ndarray] = []  # count columns of each class
+        self.keys: list[np.ndarray] = []  # their position * D + device
         ub: list[np.ndarray] = []
         loads, mems = [], []
         for ch, g in zip(classes, self.graphs, strict=True):
@@ -154,6 +155,7 @@ class FlowProblem:
         keys, which = np.unique(pos[into] * D + dev[into], return_inverse=True)
         counts = self._col + np.arange(len(keys))
         self._col += len(keys)
+        self.keys.append(keys)
         first = len(self._lo)
         self._rows.append(np.stack([first + which, arcs[into], np.ones(into.sum())]))
         self._rows.append(np.stack([first + np.arange(len(keys)), counts, -np.ones(len(keys))]))
@@ -193,8 +195,39 @@ class FlowProblem:
         integer = np.zeros(self.nv) if relax else self.integer
         return self._solve(objective, t_cap, h_cap, time_limit, integer)
 
+    def near(
+        self,
+        paths: list[np.ndarray],
+        heavy: list[np.ndarray],
+        t_cap: float,
+        h_cap: float,
+        time_limit: float,
+    ) -> Outcome:
+        """A solution under the caps with as many copies of each class as `paths` have on each
+        device at the `heavy` positions (per class, a bool per position): a far smaller
+        search, for an incumbent only ("infeasible" here proves nothing, so it says
+        "unknown")."""
+        D = len(self.model.devices)
+        cols, vals = [], []
+        for c, (ch, rows) in enumerate(zip(self.classes, paths, strict=True)):
+            devs = ch.dev[rows[:, :-1]]
+            for col, key in zip(self.counts[c], self.keys[c], strict=True):
+                i, d = divmod(int(key), D)
+                if heavy[c][i]:
+                    cols.append(col)
+                    vals.append(float((devs[:, i] == d).sum()))
+        o = self.find(t_cap, h_cap, time_limit, pin=(np.array(cols, np.intp), np.array(vals)))
+        if o.status == "infeasible":
+            o.status = "unknown"
+        return o
+
     def find(
-        self, t_cap: float, h_cap: float, time_limit: float, objective: str | None = None
+        self,
+        t_cap: float,
+        h_cap: float,
+        time_limit: float,
+        objective: str | None = None,
+        pin: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> Outcome:
         """A solution under the caps; with an `objective` ("T" or "H"), the least one.
 
@@ -207,11 +240,12 @@ class FlowProblem:
 
         end = time.perf_counter() + time_limit
         integer = np.where(self.is_arc, 0.0, self.integer)
-        res = self._solve(objective, t_cap, h_cap, time_limit, integer, raw=True)
+        res = self._solve(objective, t_cap, h_cap, time_limit, integer, fix=pin, raw=True)
+        whole = (objective, t_cap, h_cap)  # the whole MILP's question, if it comes to that
         if isinstance(res, Outcome):
             if res.status == "infeasible" or time.perf_counter() >= end:
                 return res  # a relaxation that is infeasible: so is the MILP
-            return self._solve(objective, t_cap, h_cap, end - time.perf_counter(), self.integer)
+            return self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin)
         bound, exact = -np.inf, objective is not None and res.status == 0
         if objective is not None:
             b = res.fun if exact else getattr(res, "mip_dual_bound", None)
@@ -230,7 +264,7 @@ class FlowProblem:
             value = o.t if objective == "T" else o.h
             status = "optimal" if exact else "feasible"
             return Outcome(status, o.paths, value, value if exact else bound, o.t, o.h)
-        o = self._solve(objective, t_cap, h_cap, end - time.perf_counter(), self.integer)
+        o = self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin)
         if objective is not None and o.status != "optimal":
             o.bound = max(o.bound, bound)
         return o

@@ -29,6 +29,9 @@ from nicoffload.planner.search import pack
 
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
 NARROW = 1e-3  # quick refutations narrow a load bound to this before a long search
+HEAVY = 1 / 8  # a node taking this much of the load cap anywhere it runs is heavy (_heavy)
+NEAR_S = 3.0  # the least time a search near a start (_Search.near) is given
+CLOSE = 1e-2  # a packing this close to the bound is proven or bettered by one long search
 REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
 DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
 POLISH_S = 0.3  # the most one local search (search.py) may take
@@ -61,6 +64,7 @@ class _Search:
     differ: list[np.ndarray] | None = None
     solves: int = 0
     refute_s: float = REFUTE_S[0] * 3
+    long_s: float = 0.0  # the longest search (find) so far
     _suffixes: list | None = None
     _problems: dict = field(default_factory=dict)
 
@@ -91,7 +95,24 @@ class _Search:
     def find(self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None) -> Outcome:
         """Any solution under the caps, or the least `objective` (to the deadline)."""
         self.solves += 1
-        return self.problem(bound).find(t_cap, h_cap, self.left(), objective)
+        start = time.perf_counter()
+        o = self.problem(bound).find(t_cap, h_cap, self.left(), objective)
+        self.long_s = max(self.long_s, time.perf_counter() - start)
+        return o
+
+    def near(self, bound: float, start: Outcome | None, t_cap: float, h_cap: float):
+        """A packing under the caps that keeps the heavy positions' counts of `start` (see
+        FlowProblem.near), given NEAR_S or twice the longest search so far; None when there
+        is no start or no heavy position, or none is found."""
+        if start is None or start.paths is None or self.differ is not None:
+            return None
+        heavy = [_heavy(self.model, ch, t_cap) for ch in self.classes]
+        if not any(h.any() for h in heavy):
+            return None
+        self.solves += 1
+        limit = min(self.left(), max(NEAR_S, 2 * self.long_s))
+        o = self.problem(bound).near(start.paths, heavy, t_cap, h_cap, limit)
+        return o if o.paths is not None else None
 
     def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
         """A short try: "infeasible" is a proof, "found" a solution; "unknown" says nothing.
@@ -173,6 +194,9 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
             hi = _probe_t(s, bound, top, h_cap, hard)
         step = 0.005
         while isinstance(hi, float) and hi > lo * (1 + NARROW) and s.left() > 0:
+            if best is not None and not refuted and top <= lo * (1 + CLOSE):
+                hi = top  # a packing this close to the bound: one search settles it
+                break
             if np.isfinite(hi):
                 cap = (lo + hi) / 2 if refuted else lo * (1 + NARROW / 2)
             else:
@@ -206,6 +230,18 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
     if best is None:
         return _Stage(None, np.inf, np.inf)
     return _Stage(best, best.t, _gap(best.t, lo))
+
+
+def _heavy(model, ch: Chains, t_cap: float) -> np.ndarray:
+    """Per position of the chain, whether its node takes at least HEAVY of the cap on any
+    device it can run on: few fit on a device, so an optimum leaves little choice there."""
+    own = (
+        ch.load[np.arange(len(ch.dev)), np.maximum(ch.dev, 0)]
+        / model.divisor[np.maximum(ch.dev, 0)]
+    )
+    least = np.full(ch.length + 1, np.inf)
+    np.minimum.at(least, ch.pos, np.where(ch.dev >= 0, own, np.inf))
+    return least[: ch.length] >= HEAVY * t_cap
 
 
 def _probe_t(s: _Search, bound: float, cap: float, h_cap: float, hard: list[float]):
@@ -255,7 +291,9 @@ def _min_latency(
             mid = (lo + hi) // 2
         if lo > hi:
             continue
-        o = s.find(float(cands[hi]), t_cap, h_cap)  # however long it takes
+        o = s.near(float(cands[hi]), start, t_cap, h_cap)  # often far quicker
+        if o is None:
+            o = s.find(float(cands[hi]), t_cap, h_cap)  # however long it takes
         if o.status == "infeasible":
             lo = hi + 1
         elif o.paths is not None:
