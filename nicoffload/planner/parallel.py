@@ -31,6 +31,7 @@ BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better
 NARROW = 1e-3  # quick refutations narrow a load bound to this before a long search
 HEAVY = 1 / 8  # a node taking this much of the load cap anywhere it runs is heavy (_heavy)
 NEAR_S = 3.0  # the least time a search near a start (_Search.near) is given
+SKEW = 4  # bisect nearer the proven side: a refutation costs a fraction of a failed try
 CLOSE = 1e-2  # a packing this close to the bound is proven or bettered by one long search
 REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
 DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
@@ -288,7 +289,7 @@ def _min_latency(
             else:
                 hard.add(mid)
                 hi = mid
-            mid = (lo + hi) // 2
+            mid = lo + (hi - lo) // SKEW
         if lo > hi:
             continue
         o = s.near(float(cands[hi]), start, t_cap, h_cap)  # often far quicker
