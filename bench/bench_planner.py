@@ -6,6 +6,7 @@ the inputs of a multi-camera, multi-caption serving request. The topology: a two
 GPUDirect RDMA. Kernels for every op on every kind; the shipped estimated profiles.
 
     .venv/bin/python bench/bench_planner.py [--branches 40] [--repeat 3] [--time-limit 60]
+        [--objectives throughput,latency,host-cpu] [--highs-seeds 6]
 
 Times the solver (`solve_milp`: the proven gap of the objective and of its tie-break) and
 what a user waits for: `plan_for`, and `plan_for(explain=True)` as `nicoffload plan` calls
@@ -76,6 +77,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=60.0, help="per plan, seconds")
     ap.add_argument("--objectives", default="throughput,latency,host-cpu")
+    ap.add_argument(
+        "--highs-seeds",
+        type=int,
+        default=0,
+        help="also time solve_milp under HiGHS random_seed 0..N-1 (one run each): the time of "
+        "one run is one draw of its search order, which moves it 2-4x",
+    )
     args = ap.parse_args()
 
     from nicoffload.graph import load_pipeline
@@ -140,7 +148,50 @@ def main() -> None:
             f"| {objective} | {_med(solve_t)} | {res.gap:.2g} | {res.tie_gap:.2g} "
             f"| {res.solves} | {_med(plan_t)} | {_med(explain_t)} | {pred} |"
         )
+    if args.highs_seeds:
+        _seeds(model, args)
     print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
+
+
+def _seeds(model, args) -> None:
+    """solve_milp's CPU time over HiGHS seeds. The planner passes HiGHS no seed (it is pure
+    and its plans do not depend on one), so the bench sets it around scipy's milp."""
+    import warnings
+
+    import scipy.optimize
+
+    from nicoffload.planner.evaluate import Goal
+
+    # scipy passes options it does not know (random_seed) to HiGHS as they are, and says so
+    warnings.filterwarnings("ignore", message="Unrecognized options detected")
+    from nicoffload.planner.milp import solve_milp
+
+    milp = scipy.optimize.milp
+    print(
+        f"| objective | solve CPU (s) over HiGHS seeds 0..{args.highs_seeds - 1}: median "
+        "(min-max) | each | gaps |"
+    )
+    print("|---|---|---|---|")
+    for objective in args.objectives.split(","):
+        cpu, gaps = [], set()
+        for seed in range(args.highs_seeds):
+
+            def seeded(*a, options=None, _seed=seed, **k):
+                return milp(*a, options={**(options or {}), "random_seed": _seed}, **k)
+
+            scipy.optimize.milp = seeded
+            try:
+                start = time.process_time()
+                res = solve_milp(model, Goal(objective), time_limit=args.time_limit)
+                cpu.append(time.process_time() - start)
+            finally:
+                scipy.optimize.milp = milp
+            gaps.add((res.gap, res.tie_gap))
+        each = ", ".join(f"{c:.2f}" for c in cpu)
+        print(
+            f"| {objective} | {statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f}) "
+            f"| {each} | {sorted(gaps)} |"
+        )
 
 
 @contextlib.contextmanager
