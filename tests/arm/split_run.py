@@ -22,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests"))  # the helpers test_split_run imports (agent_kill)
 
 from test_split_run import PIPELINE, split_plan, topology_for  # noqa: E402
 
