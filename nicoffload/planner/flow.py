@@ -228,8 +228,11 @@ class FlowProblem:
         time_limit: float,
         objective: str | None = None,
         pin: tuple[np.ndarray, np.ndarray] | None = None,
+        presolve: bool = True,
     ) -> Outcome:
         """A solution under the caps; with an `objective` ("T" or "H"), the least one.
+        `presolve=False`: without HiGHS's presolve, which can call a feasible problem
+        infeasible (ERGO-Code/HiGHS#2388), to re-check a refutation that a proof rests on.
 
         HiGHS finds a packing of the counts far sooner with the arcs left fractional; routing
         copies for fixed counts is then quick. With the arcs fractional the problem is a
@@ -240,12 +243,16 @@ class FlowProblem:
 
         end = time.perf_counter() + time_limit
         integer = np.where(self.is_arc, 0.0, self.integer)
-        res = self._solve(objective, t_cap, h_cap, time_limit, integer, fix=pin, raw=True)
+        res = self._solve(
+            objective, t_cap, h_cap, time_limit, integer, fix=pin, raw=True, presolve=presolve
+        )
         whole = (objective, t_cap, h_cap)  # the whole MILP's question, if it comes to that
         if isinstance(res, Outcome):
             if res.status == "infeasible" or time.perf_counter() >= end:
                 return res  # a relaxation that is infeasible: so is the MILP
-            return self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin)
+            return self._solve(
+                *whole, end - time.perf_counter(), self.integer, fix=pin, presolve=presolve
+            )
         bound, exact = -np.inf, objective is not None and res.status == 0
         if objective is not None:
             b = res.fun if exact else getattr(res, "mip_dual_bound", None)
@@ -255,8 +262,9 @@ class FlowProblem:
             lim = bound * (1 + REL_TOL)
             caps = (min(t_cap, lim), h_cap) if objective == "T" else (t_cap, min(h_cap, lim))
         fix = np.concatenate(self.counts)
+        counts = (fix, np.rint(res.x[fix]))
         o = self._solve(
-            None, *caps, end - time.perf_counter(), self.integer, fix=(fix, np.rint(res.x[fix]))
+            None, *caps, end - time.perf_counter(), self.integer, fix=counts, presolve=presolve
         )
         if o.paths is not None:
             if objective is None:
@@ -264,12 +272,14 @@ class FlowProblem:
             value = o.t if objective == "T" else o.h
             status = "optimal" if exact else "feasible"
             return Outcome(status, o.paths, value, value if exact else bound, o.t, o.h)
-        o = self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin)
+        o = self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin, presolve=presolve)
         if objective is not None and o.status != "optimal":
             o.bound = max(o.bound, bound)
         return o
 
-    def _solve(self, objective, t_cap, h_cap, time_limit, integer, fix=None, raw=False):
+    def _solve(
+        self, objective, t_cap, h_cap, time_limit, integer, fix=None, raw=False, presolve=True
+    ):
         if self.empty or t_cap < 0 or h_cap < 0:
             return Outcome("infeasible", None, np.inf, np.inf)
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -288,7 +298,11 @@ class FlowProblem:
                 constraints=[LinearConstraint(self.A, self.lo, self.hi)],
                 integrality=integer,
                 bounds=Bounds(lb, ub),
-                options={"mip_rel_gap": 1e-9, "time_limit": max(time_limit, 0.005)},
+                options={
+                    "mip_rel_gap": 1e-9,
+                    "time_limit": max(time_limit, 0.005),
+                    "presolve": presolve,
+                },
             )
         bound = getattr(res, "mip_dual_bound", None)
         bound = -np.inf if bound is None or objective is None else float(bound) / self.scale

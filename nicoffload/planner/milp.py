@@ -230,16 +230,25 @@ def solve_nodes(
     for which, key in enumerate((primary, secondary)):
         if which == 1 and gap > 1e-6:
             break  # ties of an unproven primary are not ties: keep its plan, say so
-        left = max(0.01, deadline - time.perf_counter())
-        options = {"mip_rel_gap": 1e-9, "time_limit": left}
         c = np.zeros(nv)
         c[key] = 1.0
         cons = [LinearConstraint(A, np.array(lo), np.array(hi)), *extra]
-        with highs_quiet():
-            res = milp(
-                c, constraints=cons, integrality=np.array(b.integer), bounds=bounds, options=options
-            )
-        solves += 1
+        # HiGHS's presolve can call a feasible problem infeasible (ERGO-Code/HiGHS#2388):
+        # "infeasible" is believed only once HiGHS says it without presolve too
+        for presolve in (True, False):
+            left = max(0.01, deadline - time.perf_counter())
+            options = {"mip_rel_gap": 1e-9, "time_limit": left, "presolve": presolve}
+            with highs_quiet():
+                res = milp(
+                    c,
+                    constraints=cons,
+                    integrality=np.array(b.integer),
+                    bounds=bounds,
+                    options=options,
+                )
+            solves += 1
+            if res.status != 2:
+                break
         if res.x is None:
             status = "infeasible" if res.status == 2 else f"failed: {res.message}"
             if which == 0:
