@@ -217,7 +217,12 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
             claim = min(lo, top)  # nothing is at or under it: then best is optimal
             if claim > sure:
                 o = s.confirm(bound, claim, h_cap, "T")
-                if o.paths is not None:  # presolve hid it: lo may be false, o's bound is not
+                if o.paths is not None and o.t >= best.t * (1 - REL_TOL):
+                    # best's load let through by HiGHS's feasibility tolerance: a little lower
+                    claim = min(claim, best.t * (1 - 3 * REL_TOL))
+                    o = s.confirm(bound, claim, h_cap, "T")
+                if o.paths is not None and o.t < best.t * (1 - REL_TOL):  # presolve hid it:
+                    # lo may be false; o's bound (without presolve) is not
                     sure = lo = max(sure, min(o.bound, claim))
                     best = better(o)
                     continue
