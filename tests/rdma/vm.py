@@ -35,7 +35,10 @@ APT = [
 ]  # fmt: skip
 MODULES = ["virtio_pci", "9pnet_virtio", "9p", "crc32_generic", "ib_uverbs", "rdma_rxe", "dummy"]
 # rdma_rxe asks the crypto API for "crc32" (its ICRC): without a provider, adding a link is ENOENT
-SMP = int(os.environ.get("NICOFFLOAD_RDMA_VM_SMP", "1"))
+# Two vCPUs (multi-threaded TCG): the split test's two processes (the test and its agent) each
+# spend ~30 s on numba's first use and do it side by side; on this 2-core machine, idle, the
+# step took 99-121 s with two against 112-128 s with one (slower with two under other load).
+SMP = int(os.environ.get("NICOFFLOAD_RDMA_VM_SMP", "2"))
 THREAD = "multi" if SMP > 1 else "single"
 QBOOT = Path("/usr/share/qemu/qboot.rom")
 GUEST_PYVERBS = "/tmp/pyverbs-path"  # a folder holding only the pyverbs package (a link)
