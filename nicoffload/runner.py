@@ -229,6 +229,9 @@ def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> N
                     "transport": tr.transport,
                     "batches": t.batches,
                     "bytes_per_item": round(t.bytes / t.items) if t.items else 0,
+                    # what the plan assumed (the pipeline's `typical` input): a measured size far
+                    # from it explains a stage's time far from its prediction
+                    "predicted_bytes_per_item": tr.bytes_per_item,
                     "ms_per_batch": round(t.flight_ns / t.timed / 1e6, 4) if t.timed else None,
                     "predicted_ms_per_item": tr.predicted_ms_per_item,
                 }

@@ -43,7 +43,9 @@ def summary_table(stats: RunStats) -> Table:
         )
         t.add_row(
             f"transfer {name}",
-            f"{tr['tensor']} over {tr['transport']}: {tr['bytes_per_item'] / 1e3:.0f} KB/item, {tr['batches']} batches{flight}",
+            f"{tr['tensor']} over {tr['transport']}: {tr['bytes_per_item'] / 1e3:.0f} KB/item "
+            f"(planned for {tr['predicted_bytes_per_item'] / 1e3:.0f}), {tr['batches']} batches"
+            f"{flight}",
         )
         if land := tr.get("gpu_landing"):
             t.add_row(

@@ -81,6 +81,7 @@ def test_a_split_run_equals_the_all_host_run_exactly(images, host_outputs, token
     assert dpu["ms_per_item"] > 0 and dpu["wall_ms_per_item"] > 0
     (transfer,) = doc["transfers"].values()
     assert transfer["bytes_per_item"] == 224 * 224 * 3 and transfer["batches"] >= 300 // 64
+    assert transfer["predicted_bytes_per_item"] == 224 * 224 * 3  # a crop: the size planned for
 
 
 def test_killing_the_agent_mid_run_finishes_every_item_exactly_once_on_the_host(

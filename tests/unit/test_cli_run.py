@@ -67,3 +67,26 @@ def test_run_with_a_plan_for_another_pipeline_is_refused(tmp_path):
     result = invoke("pipelines/bert.yaml", "--input", texts(tmp_path), "--plan", plan)
     assert result.exit_code == 2
     assert "plan it again" in result.output
+
+
+def test_the_summary_shows_the_transfer_against_its_plan_and_where_it_landed_on_the_gpu():
+    from rich.console import Console
+
+    from nicoffload.cli.run import summary_table
+    from nicoffload.runner import RunStats
+
+    stats = RunStats(items=64, wall_s=1.0, latencies_s=[0.1] * 64)
+    stats.transfers["s0-dpu0->s1-gpu0"] = {
+        "tensor": "crop",
+        "transport": "tcp+pcie",
+        "batches": 2,
+        "bytes_per_item": 301056,
+        "predicted_bytes_per_item": 150528,
+        "ms_per_batch": 3.2,
+        "gpu_landing": {"destination": "pinned-host", "reason": "why", "batches": 2, "bytes": 1},
+    }
+    console = Console(width=200, record=True)
+    console.print(summary_table(stats))
+    text = console.export_text()
+    assert "crop over tcp+pcie: 301 KB/item (planned for 151), 2 batches, 3.20 ms/batch" in text
+    assert "into the GPU" in text and "pinned-host: 2 batches (why)" in text
