@@ -44,6 +44,7 @@ TILE_W, TILE_H = 32, 8  # one thread per output pixel of a 32x8 tile
 # Shared memory one item may need (its taps tables and source rows); three such maxima together
 # stay under the 227 KB a Hopper block may have.
 SMEM_LIMIT = 72 * 1024
+DENSE_BLOCK = 256  # threads per block of the dense normalize (affine_dense)
 DESC = 16  # int64 fields per item descriptor
 
 # The CUDA source is a file of its own next to this module (compiled once per process by CuPy).
@@ -193,7 +194,7 @@ class _ImageKernel:
     def __call__(self, items: Any, out: Any = None, failed: dict | None = None) -> Any:
         if self.chain.in_dtype != "uint8":
             return self._float(items, out, failed)
-        if self._dense_ok(items, failed):
+        if self._dense_ok(items, out, failed):
             return self._dense(items, out)
         launch = self.prepare(items, out, failed)
         self.launch(launch)
@@ -276,7 +277,7 @@ class _ImageKernel:
             self.taps_table(grid, (128,), args)
             self.resample(launch.grid, (TILE_W * TILE_H,), launch.args, shared_mem=launch.smem)
 
-    def _dense_ok(self, items: Any, failed: dict | None) -> bool:
+    def _dense_ok(self, items: Any, out: Any, failed: dict | None) -> bool:
         torch = self.gpu.torch
         return (
             self.chain.norm is not None
@@ -290,6 +291,7 @@ class _ImageKernel:
             and items.is_contiguous()
             and (items.shape[1] * items.shape[2]) % 16 == 0
             and items.data_ptr() % 16 == 0
+            and (out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0))
         )
 
     def _dense(self, items: Any, out: Any) -> Any:
@@ -298,18 +300,22 @@ class _ImageKernel:
         dtype = _torch_dtype(torch, self.chain.out_dtype)
         if out is None:
             out = self.gpu.empty((n, *self.chain.out_shape(h, w)), dtype)
-        blocks = -(-(h * w) // (16 * 128))
         a, b = self.ab[:3], self.ab[4:7]
         chw = int(self.chain.norm[3] == "chw")
+        units = (
+            n * h * w * (1 if chw else 3)
+        )  # a thread takes 16 bytes of a plane: pixels, or values
+        blocks = -(-units * out.element_size() // (16 * DENSE_BLOCK))
         args = (
             np.uint64(items.data_ptr()),
             np.uint64(out.data_ptr()),
+            np.int64(n * h * w),
             np.int32(h * w),
             np.int32(chw),
             *a,
             *b,
         )
-        _launch(self.gpu, self.dense, (blocks, n), 128, args)
+        _launch(self.gpu, self.dense, (blocks,), DENSE_BLOCK, args)
         return out
 
     def _float(self, items: Any, out: Any, failed: dict | None) -> Any:

@@ -154,65 +154,60 @@ __global__ void __launch_bounds__(TW * TH) resample(
   }
 }
 
-// Streaming stores (evict-first): a normalized batch is written once and read by someone else.
-__device__ __forceinline__ void store16(float* p, const float* v) {
-  for (int i = 0; i < 16; i += 4)
-    __stcs((float4*)(p + i), make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]));
-}
-__device__ __forceinline__ void store16(unsigned short* p, const unsigned short* v) {
-  uint4 u, w;
-  u.x = v[0] | ((unsigned)v[1] << 16); u.y = v[2] | ((unsigned)v[3] << 16);
-  u.z = v[4] | ((unsigned)v[5] << 16); u.w = v[6] | ((unsigned)v[7] << 16);
-  w.x = v[8] | ((unsigned)v[9] << 16); w.y = v[10] | ((unsigned)v[11] << 16);
-  w.z = v[12] | ((unsigned)v[13] << 16); w.w = v[14] | ((unsigned)v[15] << 16);
-  __stcs((uint4*)p, u);
-  __stcs((uint4*)(p + 8), w);
-}
-__device__ __forceinline__ void store16(unsigned char* p, const unsigned char* v) {
-  uint4 u;
-  u.x = v[0] | (v[1] << 8) | (v[2] << 16) | ((unsigned)v[3] << 24);
-  u.y = v[4] | (v[5] << 8) | (v[6] << 16) | ((unsigned)v[7] << 24);
-  u.z = v[8] | (v[9] << 8) | (v[10] << 16) | ((unsigned)v[11] << 24);
-  u.w = v[12] | (v[13] << 8) | (v[14] << 16) | ((unsigned)v[15] << 24);
-  __stcs((uint4*)p, u);
+// normalize of a dense batch: contiguous (N, H, W, 3) uint8 in, H*W % 16 == 0, both 16-byte
+// aligned; flat over the batch. Every store is one 16-byte vector and a warp's stores are one
+// contiguous run (no sector is written in halves): one thread takes PX = 16 / sizeof(T) pixels
+// (CHW: three loads of PX bytes, one store per plane) or elements (HWC: one load of PX bytes,
+// one store). Streaming stores: a normalized batch is written once and read by someone else.
+template <int B> struct Bytes;
+template <> struct Bytes<4> { typedef unsigned int t; };
+template <> struct Bytes<8> { typedef uint2 t; };
+template <> struct Bytes<16> { typedef uint4 t; };
+
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, const T (&v)[16 / sizeof(T)]) {
+  union { T e[16 / sizeof(T)]; uint4 u; } w;
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); i++) w.e[i] = v[i];
+  __stcs((uint4*)p, w.u);
 }
 
-// normalize of a dense batch: contiguous (N, H, W, 3) uint8, H*W % 16 == 0, 16-byte aligned.
-// blockIdx.y = image; one thread = 16 pixels: three 16-byte loads, 16-byte stores.
 template <typename T>
-__global__ void __launch_bounds__(128) affine_dense(
-    const unsigned char* __restrict__ src, T* __restrict__ dst, int hw, int chw,
+__global__ void __launch_bounds__(256) affine_dense(
+    const unsigned char* __restrict__ src, T* __restrict__ dst, long long total, int hw, int chw,
     float a0, float a1, float a2, float b0, float b1, float b2) {
-  const int q = (blockIdx.x * blockDim.x + threadIdx.x) * 16;
-  if (q >= hw) return;
-  const long long n = blockIdx.y;
-  const uint4* p = (const uint4*)(src + (n * hw + q) * 3);
-  uint4 q0 = __ldcs(p), q1 = __ldcs(p + 1), q2 = __ldcs(p + 2);
-  const unsigned int wd[12] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w,
-                               q2.x, q2.y, q2.z, q2.w};
-  T r[16], gg[16], bb[16];
+  constexpr int PX = 16 / sizeof(T);
+  typedef typename Bytes<PX>::t V;
+  const long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * PX;
+  T v[PX];
+  if (chw) {  // e: the first of PX pixels (one image: hw % PX == 0)
+    if (e >= total) return;
+    const V* p = (const V*)(src + e * 3);
+    union { V q[3]; unsigned int w[3 * PX / 4]; } in;
+    in.q[0] = __ldcs(p), in.q[1] = __ldcs(p + 1), in.q[2] = __ldcs(p + 2);
+    const long long n = e / hw;
+    T* base = dst + n * 2 * hw + e;  // = image n's plane 0 at pixel e - n * hw
 #pragma unroll
-  for (int i = 0; i < 16; i++) {
-    r[i] = emit<T>((wd[(3 * i) >> 2] >> (((3 * i) & 3) * 8)) & 255u, a0, b0);
-    gg[i] = emit<T>((wd[(3 * i + 1) >> 2] >> (((3 * i + 1) & 3) * 8)) & 255u, a1, b1);
-    bb[i] = emit<T>((wd[(3 * i + 2) >> 2] >> (((3 * i + 2) & 3) * 8)) & 255u, a2, b2);
-  }
-  if (chw) {
-    T* base = dst + n * 3 * hw + q;
-    store16(base, r);
-    store16(base + hw, gg);
-    store16(base + 2 * (long long)hw, bb);
-  } else {
-    T v[48];
+    for (int c = 0; c < 3; c++) {
+      const float a = c == 0 ? a0 : c == 1 ? a1 : a2, b = c == 0 ? b0 : c == 1 ? b1 : b2;
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-      v[3 * i] = r[i];
-      v[3 * i + 1] = gg[i];
-      v[3 * i + 2] = bb[i];
+      for (int i = 0; i < PX; i++) {
+        const int k = 3 * i + c;
+        v[i] = emit<T>((in.w[k >> 2] >> ((k & 3) * 8)) & 255u, a, b);
+      }
+      store_vec(base + (long long)c * hw, v);
     }
-    T* base = dst + (n * hw + q) * 3;
-    store16(base, v);
-    store16(base + 16, v + 16);
-    store16(base + 32, v + 32);
+  } else {  // e: the first of PX elements of the flat (N*H*W*3) array
+    if (e >= total * 3) return;
+    union { V q; unsigned int w[PX / 4]; } in;
+    in.q = __ldcs((const V*)(src + e));
+    const int c0 = (int)(e % 3);
+#pragma unroll
+    for (int i = 0; i < PX; i++) {
+      const int c = (c0 + i) % 3;
+      const float a = c == 0 ? a0 : c == 1 ? a1 : a2, b = c == 0 ? b0 : c == 1 ? b1 : b2;
+      v[i] = emit<T>((in.w[i >> 2] >> ((i & 3) * 8)) & 255u, a, b);
+    }
+    store_vec(dst + e, v);
   }
 }

@@ -136,14 +136,20 @@ def test_gray_images_go_through_the_fused_kernel(gpu, tmp_path):
         ref.assert_close_to_dtype(got[i], want, "float32")
 
 
-def test_normalize_dense_batch_and_ragged_list_agree_with_the_reference(gpu, tmp_path):
-    # normalize alone on a static 224x224 input: the dense vectorized path
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("layout", ["chw", "hwc"])
+def test_normalize_dense_batch_and_ragged_list_agree_with_the_reference(
+    gpu, tmp_path, dtype, layout
+):
+    # normalize alone on a static 224x224 input: the dense vectorized path (flat over the batch,
+    # 16-byte stores), against the reference and, bit for bit, against the general path
     pipeline = load_pipeline(
         ref.write_pipeline(
             tmp_path,
             "  - {name: decode, op: decode_image, in: image}\n"
             "  - {name: resize, op: resize, in: decode, params: {size: [224, 224]}}\n"
-            f"  - {{name: last, op: normalize, in: resize, params: {{mean: {MEAN}, std: {STD}, dtype: float16}}}}\n",
+            f"  - {{name: last, op: normalize, in: resize, params: {{mean: {MEAN}, std: {STD}, "
+            f"dtype: {dtype}, layout: {layout}}}}}\n",
             "last",
             "dense",
         )
@@ -151,14 +157,18 @@ def test_normalize_dense_batch_and_ragged_list_agree_with_the_reference(gpu, tmp
     node = pipeline.node("last")
     dense = ops.get_kernel("normalize", "gpu").build([node], ())
     rng = np.random.default_rng(6)
-    batch = rng.integers(0, 256, (8, 224, 224, 3), dtype=np.uint8)
+    n = 7  # the flat grid's last block is partly idle
+    batch = rng.integers(0, 256, (n, 224, 224, 3), dtype=np.uint8)
     t = gpu.upload(batch)
-    out = gpu.empty((8, 3, 224, 224), gpu.torch.float16).fill_(float("nan"))
-    got = host(dense(t, out=out))
-    for i in range(8):
-        ref.assert_close_to_dtype(got[i], ref.normalize(batch[i], node.params), "float16")
+    torch = gpu.torch
+    shape = (n, 3, 224, 224) if layout == "chw" else (n, 224, 224, 3)
+    out = gpu.empty((n + 1, *shape[1:]), getattr(torch, dtype)).fill_(float("nan"))
+    got = host(dense(t, out=out[:n]))
+    assert np.isnan(host(out[n])).all()  # nothing written past the batch
+    for i in range(n):
+        ref.assert_close_to_dtype(got[i], ref.normalize(batch[i], node.params), dtype)
     # the same kernel on a list of strided views takes the general path: identical results
-    views = [t[i][:, :, :] for i in range(8)]
+    views = [t[i][:, :, :] for i in range(n)]
     np.testing.assert_array_equal(host(dense(views)), got)
 
 
