@@ -153,6 +153,10 @@ class GpuStage:
         self.ring = PinnedRing(self.gpu, max(slots, workers + 1), slot_bytes)
         self._local = threading.local()
         self._lock = threading.Lock()
+        # Streams of the worker threads of finished `stream()` calls, for the next call's: the
+        # caching allocator keeps freed memory per stream, so new streams every call would
+        # strand gigabytes (1080p batches) until an allocation fails and it frees everything.
+        self._spare: list[_Streams] = []
         self.step_ms = np.zeros(len(self.steps))
         self.items = 0
 
@@ -171,6 +175,19 @@ class GpuStage:
         if s is None:
             s = self._local.streams = _Streams(self.gpu)
         return s
+
+    def _take_streams(self, lent: list[_Streams]) -> None:
+        """On a worker thread, first thing: its streams for life, a finished call's if any."""
+        with self._lock:
+            s = self._spare.pop() if self._spare else _Streams(self.gpu)
+            lent.append(s)
+        self._local.streams = s
+
+    def _give_back(self, lent: list[_Streams]) -> None:
+        """After the call's workers have ended: their streams serve the next call."""
+        with self._lock:
+            self._spare.extend(lent)
+        lent.clear()
 
     def host_batch(self, shapes: Sequence[tuple[int, ...]], dtype: Any = np.uint8) -> HostBatch:
         """Pinned room for a batch of host arrays; fill `arrays[i]`, then pass it to `process`."""
@@ -290,7 +307,13 @@ class GpuStage:
         if self.steps[0].nodes[0].op == "decode_image":
             yield from self._pipeline(batches)
             return
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="nicoffload-gpu")
+        lent: list[_Streams] = []
+        pool = ThreadPoolExecutor(
+            self.workers,
+            thread_name_prefix="nicoffload-gpu",
+            initializer=self._take_streams,
+            initargs=(lent,),
+        )
         pending: deque[Any] = deque()
         try:
             for i, b in enumerate(batches):
@@ -305,6 +328,7 @@ class GpuStage:
                 yield done
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            self._give_back(lent)
 
     def _pipeline(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[GpuBatch]:
         stop = threading.Event()
@@ -321,8 +345,11 @@ class GpuStage:
                     continue
             return False
 
+        lent: list[_Streams] = []
+
         def run(name: str, source: Any, work: Any, sink: queue.Queue[Any]) -> None:
             try:
+                self._take_streams(lent)
                 for item in source():
                     if not put(sink, work(item)):
                         return
@@ -378,6 +405,7 @@ class GpuStage:
             stop.set()
             for t in threads:
                 t.join()
+            self._give_back(lent)
 
     def step_ms_per_item(self) -> dict[str, float]:
         """Measured time per item of each step: device time (events), decode by host clock."""

@@ -32,6 +32,24 @@ def test_streamed_batches_equal_one_batch_at_a_time(gpu):
         assert set(stage.step_ms_per_item()) == {"decode", "resize+crop+norm"}
 
 
+def test_each_stream_call_reuses_the_last_calls_streams(gpu):
+    # the caching allocator keeps freed memory per stream: new streams every call strand it
+    pipeline = load_pipeline(RESNET)
+    jpegs = [data for _, data in sample_images(16)]
+    imgs = list(np.random.default_rng(5).integers(0, 256, (16, 300, 400, 3), dtype=np.uint8))
+    for names, batches in (  # three threads when decoding, else a pool of workers
+        (("decode", "resize", "crop", "norm"), [{"image": jpegs[i : i + 8]} for i in (0, 8)]),
+        (("resize", "crop", "norm"), [{"decode": imgs[i : i + 8]} for i in (0, 8)]),
+    ):
+        with stage_for(pipeline, names) as stage:
+            for _ in stage.stream(batches):
+                pass
+            first = {id(s.decode) for s in stage._spare}
+            for _ in stage.stream(batches):
+                pass
+            assert first and {id(s.decode) for s in stage._spare} == first
+
+
 def test_host_images_are_staged_through_pinned_memory(gpu):
     pipeline = load_pipeline(RESNET)
     rng = np.random.default_rng(4)
