@@ -102,11 +102,12 @@ tar -C "$root/src" -xf "$work/src.tar"
 # every start. (A host python of another version writes files the chroot's ignores.)
 "$py" -m compileall -q -j 0 -s "$root" -p / "$root/src" >/dev/null
 # Every numba function lives in nicoffload/ops/ and calls only what is there: the cache is keyed by
-# that tree, the interpreter (the base) and the DPU set (numba, llvmlite, numpy), so a change
-# elsewhere (tests, agent, planner, test-only packages) keeps it warm.
+# that tree (less the GPU kernels' files, gpu_*, which hold no numba code), the interpreter (the
+# base) and the DPU set (numba, llvmlite, numpy), so a change elsewhere (tests, agent, planner,
+# GPU kernels, test-only packages) keeps it warm.
 srckey=$( (cat "$here/build-base.sh" "$repo/dpu_agents/requirements-dpu.txt"
   tar -C "$repo" -cf - --sort=name --mtime='2000-01-01 00:00Z' --owner=0 --group=0 \
-    --exclude=__pycache__ --exclude='*.nbi' --exclude='*.nbc' nicoffload/ops) |
+    --exclude=__pycache__ --exclude='*.nbi' --exclude='*.nbc' --exclude='gpu_*' nicoffload/ops) |
   sha256sum | cut -c1-16)
 find "$cachedir" -maxdepth 1 -name 'arm64-numba-*' ! -name "arm64-numba-*-$srckey" \
   -exec rm -rf {} + 2>/dev/null || true
