@@ -14,3 +14,19 @@ def killing_at(agent: Any, items: Iterable[Any], at: int) -> Iterator[Any]:
         if i == at:
             os.kill(agent.pid, signal.SIGKILL)
         yield item
+
+
+def run_killing_at(agent: Any, pipeline: Any, items: list[Any], at: int, **run: Any) -> Any:
+    """`nicoffload.run` with the agent killed before item `at` (and killed at the end either
+    way), checked for what every failover owes: a failover reported, every item once, in
+    order, and ok. Returns the run's result for the test's own checks."""
+    import nicoffload
+
+    try:
+        result = nicoffload.run(pipeline, killing_at(agent, items, at), **run)
+    finally:
+        agent.kill()
+    assert result.stats.failover is not None
+    assert result.names == [str(i) for i in range(len(items))]  # each item once, in order
+    assert result.ok.all()
+    return result
