@@ -15,12 +15,17 @@ from nicoffload.planner.evaluate import REL_TOL, evaluate
 from nicoffload.planner.flow import FlowProblem, placement
 
 
+def _problem(seed: int) -> tuple:
+    """A random property instance, its chain classes and their flow problem, unbounded."""
+    model = random_branches(seed)
+    classes = chain_classes(model)
+    return model, classes, FlowProblem(model, classes, [None] * len(classes), np.inf)
+
+
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(SEEDS)
 def test_find_with_an_objective_returns_the_least_load_under_the_cap(seed: int) -> None:
-    model = random_branches(seed)
-    classes = chain_classes(model)
-    problem = FlowProblem(model, classes, [None] * len(classes), np.inf)
+    problem = _problem(seed)[2]
     truth = problem.solve("T")
     got = problem.find(np.inf, np.inf, 10.0, "T")
     assert got.status == truth.status
@@ -37,9 +42,7 @@ def test_find_with_an_objective_returns_the_least_load_under_the_cap(seed: int) 
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(SEEDS)
 def test_near_keeps_the_pinned_counts_of_its_start_and_refutes_nothing(seed: int) -> None:
-    model = random_branches(seed)
-    classes = chain_classes(model)
-    problem = FlowProblem(model, classes, [None] * len(classes), np.inf)
+    model, classes, problem = _problem(seed)
     rng = np.random.default_rng(seed)
     start = _random_paths(model, rng)
     heavy = [rng.random(ch.length) < 0.5 for ch in classes]
