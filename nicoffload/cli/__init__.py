@@ -7,10 +7,11 @@ and nothing else; progress and messages go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import typer
@@ -55,6 +56,26 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(0) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def busy(text: str) -> Iterator[None]:
+    """A spinner and the time elapsed on stderr while the block runs (on a terminal only:
+    nothing is written to a pipe or a log)."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as progress:
+        progress.add_task(text, total=None)
+        yield
 
 
 def emit_json(doc: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from nicoffload.cli import app, emit_json, handle_errors
+from nicoffload.cli import app, busy, emit_json, handle_errors
 from nicoffload.planner.plan import Plan
 
 
@@ -19,8 +19,10 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:,.0f} KB"
 
 
-def render(plan: Plan) -> list[Any]:
-    """The plan as rich renderables: placement, latency breakdown, loads, runner-up."""
+def render(plan: Plan, width: int = 120) -> list[Any]:
+    """The plan as rich renderables: placement, latency breakdown, loads, runner-up. The
+    placement is a node x device table when that fits in `width` columns, else one row per
+    node with its device and the cheapest other one."""
     from rich.table import Table
     from rich.text import Text
 
@@ -31,21 +33,7 @@ def render(plan: Plan) -> list[Any]:
     if limits:
         head += " (" + ", ".join(f"{k}={v:g}" for k, v in limits.items()) + ")"
     out.append(Text(head, style="bold"))
-    nodes = Table(
-        title="placement (core-ms per item on each device; * chosen)", title_justify="left"
-    )
-    devices = list(next(iter(ex["nodes"].values()))["core_ms_by_device"]) if ex.get("nodes") else []
-    nodes.add_column("node")
-    for d in devices:
-        nodes.add_column(d, justify="right")
-    for name, info in ex.get("nodes", {}).items():
-        cells = []
-        for d in devices:
-            v = info["core_ms_by_device"][d]
-            cell = "-" if isinstance(v, str) else f"{v:.4f}"
-            cells.append(f"*{cell}" if d == info["device"] else cell)
-        nodes.add_row(name, *cells)
-    out.append(nodes)
+    out.append(_placement(ex.get("nodes", {}), width))
     flow = Table(title="per item: stages and transfers (predicted ms)", title_justify="left")
     for col in ("step", "where", "transport", "bytes", "ms/item"):
         flow.add_column(col, justify="right" if col in ("bytes", "ms/item") else "left")
@@ -125,6 +113,50 @@ def render(plan: Plan) -> list[Any]:
     return out
 
 
+def _placement(nodes: dict[str, Any], width: int) -> Any:
+    from rich.table import Table
+
+    devices = list(next(iter(nodes.values()))["core_ms_by_device"]) if nodes else []
+    cell = 7  # "*0.1234"
+    name = max((len(n) for n in nodes), default=4)
+    wide = name + 4 + sum(max(len(d), cell) + 3 for d in devices)
+    if wide <= width:
+        table = Table(
+            title="placement (core-ms per item on each device; * chosen)", title_justify="left"
+        )
+        table.add_column("node")
+        for d in devices:
+            table.add_column(d, justify="right")
+        for n, info in nodes.items():
+            cells = []
+            for d in devices:
+                v = info["core_ms_by_device"][d]
+                c = "-" if isinstance(v, str) else f"{v:.4f}"
+                cells.append(f"*{c}" if d == info["device"] else c)
+            table.add_row(n, *cells)
+        return table
+    table = Table(
+        title=f"placement (core-ms per item; the cheapest other of {len(devices)} devices beside it)",
+        title_justify="left",
+    )
+    for col in ("node", "device", "core-ms", "cheapest other", "its core-ms", "can run on"):
+        table.add_column(col, justify="right" if "core-ms" in col else "left")
+    for n, info in nodes.items():
+        here = info["device"]
+        costs = {d: v for d, v in info["core_ms_by_device"].items() if not isinstance(v, str)}
+        others = sorted((v, d) for d, v in costs.items() if d != here)
+        other = others[0] if others else None
+        table.add_row(
+            n,
+            here,
+            _ms(costs.get(here)),
+            other[1] if other else "-",
+            _ms(other[0]) if other else "-",
+            f"{len(costs)} of {len(devices)}",
+        )
+    return table
+
+
 @app.command()
 @handle_errors
 def plan(
@@ -168,16 +200,18 @@ def plan(
     for flag, value in (("--min-throughput", min_throughput), ("--max-latency-ms", max_latency_ms)):
         if value is not None and value <= 0:
             raise PlanError(f"{flag} must be a positive number, got {value:g}")
-    the_plan = plan_for(
-        load_pipeline(pipeline),
-        topology,
-        profile or None,
-        objective,
-        min_throughput_per_s=min_throughput,
-        max_latency_ms=max_latency_ms,
-        explain=True,
-        runnable=topology is None if runnable is None else runnable,
-    )
+    pl = load_pipeline(pipeline)
+    with busy(f"planning {len(pl.nodes)} nodes for {objective}"):
+        the_plan = plan_for(
+            pl,
+            topology,
+            profile or None,
+            objective,
+            min_throughput_per_s=min_throughput,
+            max_latency_ms=max_latency_ms,
+            explain=True,
+            runnable=topology is None if runnable is None else runnable,
+        )
     if output is not None:
         the_plan.save(output)
     from nicoffload.transport import gpudirect
@@ -194,7 +228,7 @@ def plan(
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 120)
-    for part in render(the_plan):
+    for part in render(the_plan, console.width):
         console.print(part)
     for d in landing:
         console.print(

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from nicoffload.cli import app, emit_json, handle_errors
+from nicoffload.cli import app, busy, emit_json, handle_errors
 from nicoffload.errors import Mark, UserError
 from nicoffload.inputs import dir_items, sample_items
 from nicoffload.outputs import OutputWriter
@@ -91,7 +91,8 @@ def run(
     the planner predicts it; queue waits excluded); --json adds the calls' wall time."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
-    prep = prepare(pipeline, plan, topology, token_file)
+    with busy("planning" if plan is None else "loading the plan"):
+        prep = prepare(pipeline, plan, topology, token_file)
     pl = prep.pipeline
     err = Console(stderr=True)
     if sample is not None:

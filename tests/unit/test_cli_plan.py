@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -103,6 +104,38 @@ def test_plan_prints_placement_breakdown_loads_and_the_runner_up() -> None:
         "estimate",
     ):
         assert part in result.stdout, part
+
+
+def test_a_placement_too_wide_for_the_terminal_is_one_row_per_node(tmp_path: Path) -> None:
+    """Every device a column while that fits; past the width, each node's device and the
+    cheapest other one (a 16-device server would print truncated cells otherwise)."""
+    from rich.console import Console
+
+    from nicoffload.cli.plan import render
+
+    out = tmp_path / "plan.json"
+    args = ["plan", RESNET, "--topology", str(TOPOLOGIES / "bluefield3-h100.yaml"), "-o", str(out)]
+    assert CliRunner().invoke(build_app(), args).exit_code == 0
+    plan = Plan.load(out)
+    nodes = plan.explain["nodes"]
+
+    def text(width: int) -> str:  # printed wide, so that only render's choice differs
+        console = Console(width=200, record=True, file=io.StringIO())
+        for part in render(plan, width):
+            console.print(part)
+        return console.export_text()
+
+    wide = text(200)
+    assert "* chosen" in wide
+    for info in nodes.values():
+        assert all(d in wide for d in info["core_ms_by_device"])
+    narrow = text(30)
+    assert "* chosen" not in narrow and "cheapest other" in narrow
+    for name, info in nodes.items():
+        costs = {d: v for d, v in info["core_ms_by_device"].items() if not isinstance(v, str)}
+        other = min((v, d) for d, v in costs.items() if d != info["device"])
+        row = next(line for line in narrow.splitlines() if f" {name} " in line)
+        assert info["device"] in row and other[1] in row and f"{other[0]:.4f}" in row, row
 
 
 def test_plan_output_is_a_plan_that_run_can_load(tmp_path: Path) -> None:
