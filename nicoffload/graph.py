@@ -6,6 +6,7 @@ cycles, unused nodes, and dtype/shape inference across every edge.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,8 +117,20 @@ class Pipeline:
     slo_latency_ms: float | None = None
     slo_throughput_per_s: float | None = None
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @functools.cached_property
+    def _consumers(self) -> dict[str, tuple[Node, ...]]:
+        out: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for src in dict.fromkeys(r.source for r in n.inputs if not r.is_input):
+                out.setdefault(src, []).append(n)
+        return {k: tuple(v) for k, v in out.items()}
+
     def node(self, name: str) -> Node:
-        return next(n for n in self.nodes if n.name == name)
+        return self._by_name[name]
 
     def spec_of(self, ref: Ref) -> TensorSpec:
         return (
@@ -125,9 +138,7 @@ class Pipeline:
         )
 
     def consumers(self, name: str) -> tuple[Node, ...]:
-        return tuple(
-            n for n in self.nodes if any(r.source == name and not r.is_input for r in n.inputs)
-        )
+        return self._consumers.get(name, ())
 
     def output_specs(self) -> dict[str, TensorSpec]:
         return {k: self.spec_of(r) for k, r in self.outputs.items()}

