@@ -107,7 +107,8 @@ def render(plan: Plan, width: int = 120) -> list[Any]:
             )
         )
     elif ex:
-        out.append(Text("runner-up: none (no other placement is feasible)"))
+        why = ex.get("runner_up_missing") or "no other placement is feasible"
+        out.append(Text(f"runner-up: none ({why})"))
     for note in plan.notes:
         out.append(Text(f"note: {note}", style="dim"))
     return out
@@ -182,6 +183,13 @@ def plan(
     json_out: bool = typer.Option(
         False, "--json", help="print the plan and its explanation as JSON"
     ),
+    time_limit: float = typer.Option(
+        20.0,
+        "--time-limit",
+        min=0.1,
+        help="seconds for the whole search (plan, then runner-up). Chains are exact at once; a "
+        "DAG's MILP that reaches the limit returns its best plan and a note with the proven gap",
+    ),
     runnable: bool | None = typer.Option(
         None,
         "--runnable/--any-shape",
@@ -210,6 +218,7 @@ def plan(
             min_throughput_per_s=min_throughput,
             max_latency_ms=max_latency_ms,
             explain=True,
+            time_limit_s=time_limit,
             runnable=topology is None if runnable is None else runnable,
         )
     if output is not None:

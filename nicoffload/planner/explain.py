@@ -150,8 +150,14 @@ def why_lost(
 
 
 def explanation(
-    model: CostModel, topology: Topology, goal: Goal, best: np.ndarray, second: np.ndarray | None
+    model: CostModel,
+    topology: Topology,
+    goal: Goal,
+    best: np.ndarray,
+    second: np.ndarray | None,
+    missing: str | None = None,
 ) -> dict[str, Any]:
+    """What `plan --json` puts under "explain"; `missing` says why there is no runner-up."""
     m = evaluate(model, best[None, :])
     k = int(np.argmax(m.load[0]))
     used = [i for i in range(len(model.resources)) if m.work[0, i] > 0 or i < len(model.devices)]
@@ -189,6 +195,8 @@ def explanation(
         "nodes": nodes,
         "runner_up": None,
     }
+    if second is None and missing:
+        out["runner_up_missing"] = missing
     if second is not None:
         o = evaluate(model, second[None, :])
         out["runner_up"] = {

@@ -6,6 +6,7 @@ When nothing is feasible it says why, naming the node (or the SLO) and where it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -39,12 +40,25 @@ def solve(
     return solve_milp(model, goal, allowed, exclude, time_limit).placement
 
 
+INFEASIBLE = "no other placement is feasible"
+
+
 def runner_up(
     model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray, time_limit: float = 60.0
-) -> np.ndarray | None:
-    """The best placement other than `best`: for a chain, the best over forcing one node elsewhere."""
+) -> tuple[np.ndarray | None, str | None]:
+    """The best placement other than `best` (for a chain, the best over forcing one node
+    elsewhere), and when there is none, why: none is feasible, or none was found in time."""
     if not is_chain(model):
-        return solve(model, goal, allowed, exclude=best, time_limit=time_limit)
+        from nicoffload.planner.milp import solve_milp
+
+        if time_limit <= 0:
+            return None, "not searched: the time limit was spent on the plan"
+        result = solve_milp(model, goal, allowed, best, time_limit)
+        if result.placement is not None:
+            return result.placement, None
+        if result.status != "infeasible":
+            return None, f"none found in the {time_limit:.2g} s left of the time limit"
+        return None, INFEASIBLE
     found = []
     for v in range(model.n):
         for d in np.flatnonzero(allowed[v]):
@@ -56,12 +70,12 @@ def runner_up(
                 if p is not None:
                     found.append(p)
     if not found:
-        return None
+        return None, INFEASIBLE
     from nicoffload.planner.evaluate import best_row
 
     P = np.array(found)
     i = best_row(evaluate(model, P), goal)
-    return None if i is None else P[i]
+    return (None, INFEASIBLE) if i is None else (P[i], None)
 
 
 def resolve_topology(topology: Topology | str | Path | None) -> Topology:
@@ -219,7 +233,8 @@ def plan_for(
 
     Constraints given here override the pipeline's `slo`. `explain=True` adds per-resource
     loads, the latency path and the runner-up placement (with why it lost) to `plan.explain`.
-    A DAG's MILP that reaches `time_limit_s` returns its best plan with a note giving the gap.
+    `time_limit_s` bounds the whole call: the plan, then the runner-up in what is left. A DAG's
+    MILP that reaches it returns its best plan with a note giving the proven gap.
     A plan of a shape the runtime does not run yet (`planner.shapes`) gets a note; with
     `runnable=True` the best plan of a shape it runs is returned instead, and the note says what
     that costs.
@@ -228,6 +243,11 @@ def plan_for(
         raise PlanError(
             f"unknown objective '{objective}' (expected one of: {', '.join(OBJECTIVES)})"
         )
+    deadline = time.perf_counter() + time_limit_s
+
+    def left() -> float:
+        return max(0.0, deadline - time.perf_counter())
+
     topo = resolve_topology(topology)
     profiles = resolve_profiles(topo, profile)
     model = build_model(pipeline, topo, profiles, catalog or Catalog.from_registry())
@@ -244,7 +264,7 @@ def plan_for(
     else:
         from nicoffload.planner.milp import solve_milp
 
-        result = solve_milp(model, goal, allowed, time_limit=time_limit_s)
+        result = solve_milp(model, goal, allowed, time_limit=left())
         best = result.placement
         if best is not None and result.gap > 1e-6:
             notes += (
@@ -265,14 +285,17 @@ def plan_for(
             )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    best, second, shape_notes = _shape(model, goal, allowed, best, runnable, time_limit_s)
+    best, second, shape_notes = _shape(model, goal, allowed, best, runnable, left())
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes + shape_notes)
     if explain:
         from nicoffload.planner.explain import explanation
 
-        if second is None and not shape_notes:
-            second = runner_up(model, goal, best, allowed, time_limit_s)
-        plan = replace(plan, explain=explanation(model, topo, goal, best, second))
+        missing = None
+        if second is None and not (runnable and shape_notes):
+            second, missing = runner_up(model, goal, best, allowed, left())
+        elif second is None:
+            missing = "no other placement of a shape the runtime runs"
+        plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
     return plan
 
 
@@ -291,7 +314,7 @@ def _shape(
 
     if runs(model, best):
         return best, None, ()
-    shape = " -> ".join(stage_kinds(model, best))
+    shape = shape_text(stage_kinds(model, best))
     if not runnable:
         return (
             best,
@@ -319,20 +342,28 @@ def _shape(
         (
             f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
             f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
-            f"({' -> '.join(stage_kinds(model, chosen))}, {what(1)})",
+            f"({shape_text(stage_kinds(model, chosen))}, {what(1)})",
         ),
     )
 
 
 def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
-    """Which profile priced each device, and whether it was measured or is an estimate."""
-    notes = []
+    """Which profile priced each device, and whether it was measured or is an estimate: one
+    note per profile, naming the devices it priced."""
+    by: dict[str, list[str]] = {}
     for dev, p in profiles.items():
         how = p.method.split(":", 1)[0] or "unknown method"
-        notes.append(
-            f"{dev}: profile {Path(p.source).name} ({how}{', ' + p.date if p.date else ''})"
-        )
-    return tuple(notes)
+        what = f"profile {Path(p.source).name} ({how}{', ' + p.date if p.date else ''})"
+        by.setdefault(what, []).append(dev)
+    return tuple(f"{', '.join(devs)}: {what}" for what, devs in by.items())
+
+
+def shape_text(kinds: Sequence[str]) -> str:
+    """Stage kinds in order ("dpu -> cpu -> gpu"), counted when there are too many to read."""
+    if len(kinds) <= 8:
+        return " -> ".join(kinds)
+    count = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return f"{len(kinds)} stages: " + ", ".join(f"{n} on {k}" for k, n in count.items())
 
 
 def _route_text(topology: Topology, src: str, dst: str) -> tuple[str, str | None]:
