@@ -6,7 +6,7 @@ the inputs of a multi-camera, multi-caption serving request. The topology: a two
 GPUDirect RDMA. Kernels for every op on every kind; the shipped estimated profiles.
 
     .venv/bin/python bench/bench_planner.py [--branches 40] [--repeat 3] [--time-limit 60]
-        [--objectives throughput,latency,host-cpu] [--highs-seeds 6]
+        [--objectives throughput,latency,host-cpu] [--limits 0.5,1,2] [--highs-seeds 6]
 
 Times the solver (`solve_milp`: the proven gap of the objective and of its tie-break) and
 what a user waits for: `plan_for`, and `plan_for(explain=True)` as `nicoffload plan` calls
@@ -78,6 +78,12 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="per plan, seconds")
     ap.add_argument("--objectives", default="throughput,latency,host-cpu")
     ap.add_argument(
+        "--limits",
+        default="",
+        help="also solve under these time limits, s (e.g. 0.5,1,2): the proven gap a plan cut "
+        "short reports (`plan --time-limit`) and how far it really is from the optimum",
+    )
+    ap.add_argument(
         "--highs-seeds",
         type=int,
         default=0,
@@ -148,9 +154,44 @@ def main() -> None:
             f"| {objective} | {_med(solve_t)} | {res.gap:.2g} | {res.tie_gap:.2g} "
             f"| {res.solves} | {_med(plan_t)} | {_med(explain_t)} | {pred} |"
         )
+    if args.limits:
+        _limits(model, args)
     if args.highs_seeds:
         _seeds(model, args)
     print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
+
+
+def _limits(model, args) -> None:
+    """What a time limit leaves: the gap proven, against the objective's real distance from
+    the optimum (the solve without a limit)."""
+    from nicoffload.planner.evaluate import Goal, evaluate
+    from nicoffload.planner.milp import solve_milp
+
+    key = {"throughput": "bottleneck", "latency": "latency", "host-cpu": "host"}
+    tie = {"throughput": "latency", "latency": "bottleneck", "host-cpu": "bottleneck"}
+    print(
+        "| objective | limit (s) | wall / CPU (s) | gap proven | off the optimum | tie-break gap "
+        "proven | tie-break off the best |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for objective in args.objectives.split(","):
+        exact = solve_milp(model, Goal(objective), time_limit=args.time_limit)
+        best = evaluate(model, exact.placement[None, :])
+        for limit in (float(x) for x in args.limits.split(",")):
+            times: list[tuple[float, float]] = []
+            with _timed(times):
+                res = solve_milp(model, Goal(objective), time_limit=limit)
+            m = evaluate(model, res.placement[None, :])
+
+            def off(k: str, m=m, best=best) -> str:
+                b = float(getattr(best, k)[0])
+                return f"{float(getattr(m, k)[0]) / b - 1:.2%}" if b > 0 else "-"
+
+            print(
+                f"| {objective} | {limit:g} | {times[0][0]:.2f} / {times[0][1]:.2f} "
+                f"| {res.gap:.2%} | {off(key[objective])} | {res.tie_gap:.2%} "
+                f"| {off(tie[objective])} |"
+            )
 
 
 def _seeds(model, args) -> None:
