@@ -183,9 +183,9 @@ def _limits(model, args) -> None:
                 res = solve_milp(model, Goal(objective), time_limit=limit)
             m = evaluate(model, res.placement[None, :])
 
-            def off(k: str, m=m, best=best) -> str:
-                b = float(getattr(best, k)[0])
-                return f"{float(getattr(m, k)[0]) / b - 1:.2%}" if b > 0 else "-"
+            def off(k: str, m=m, best=best) -> str:  # normalized as the gap: by the plan's
+                v = float(getattr(m, k)[0])
+                return f"{1 - float(getattr(best, k)[0]) / v:.2%}" if v > 0 else "-"
 
             print(
                 f"| {objective} | {limit:g} | {times[0][0]:.2f} / {times[0][1]:.2f} "
