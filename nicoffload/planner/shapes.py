@@ -3,14 +3,18 @@
 A plan's stages are runs of consecutive nodes (topological order) on one device. The executor
 runs [one DPU stage, served by its agent] + host CPU stages + [one GPU stage, last]: a plan that
 goes back from the GPU to the host, or that puts a DPU stage after the host, is not runnable yet.
-`best_runnable` finds the best placement of a runnable shape exactly: for every cut of the
-topological order into a DPU prefix (on one DPU), host CPU nodes and a GPU suffix (on one GPU),
-the solver's best placement under that restriction; then the best of those.
+`best_runnable` finds the best placement of a runnable shape: for every cut of the topological
+order into a DPU prefix (on one DPU), host CPU nodes and a GPU suffix (on one GPU) that the
+kernels allow, the solver's best placement under that restriction; then the best of those.
+Exact when every cut is solved within the time limit; a large DAG has tens of thousands of
+cuts, and the result then says how many were.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,37 +37,79 @@ def runnable(model: CostModel, placement: Sequence[int]) -> bool:
     return all(k == "cpu" for k in kinds[lo:hi])
 
 
+@dataclass(frozen=True)
+class Runnable:
+    """The best runnable placement, the best other one (None when there is none), and how many
+    of the shapes a placement can take (cuts into a DPU prefix on one DPU, host CPU nodes and a
+    GPU suffix on one GPU) were solved before the time limit: all of them makes it exact."""
+
+    best: np.ndarray | None
+    second: np.ndarray | None
+    shapes: int
+    searched: int
+
+
 def best_runnable(
     model: CostModel, goal: Goal, allowed: np.ndarray, time_limit: float = 20.0
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The best runnable placement and the best other runnable one (None when there is none)."""
+) -> Runnable:
+    """The best placement of each shape the kernels allow, within `time_limit` for them all."""
     from nicoffload.planner.solve import solve
 
+    deadline = time.perf_counter() + time_limit
     n, kinds = model.n, np.array([device_kind(d) for d in model.devices])
     dpus, gpus = np.flatnonzero(kinds == "dpu"), np.flatnonzero(kinds == "gpu")
     on_cpu = kinds == "cpu"
+    cuts = list(_cuts(allowed, dpus, gpus, on_cpu))
     found: dict[bytes, np.ndarray] = {}
-    for i in range(n + 1):  # nodes [0, i) on one DPU
-        for j in range(i, n + 1):  # [i, j) on host CPUs, [j, n) on one GPU
-            for dpu in dpus if i else [None]:
-                for gpu in gpus if j < n else [None]:
-                    mask = allowed.copy()
-                    if i:
-                        mask[:i] &= np.arange(len(kinds)) == dpu
-                    mask[i:j] &= on_cpu
-                    if j < n:
-                        mask[j:] &= np.arange(len(kinds)) == gpu
-                    if not mask.any(axis=1).all():
-                        continue
-                    p = solve(model, goal, mask, time_limit=time_limit)
-                    if p is not None and runnable(model, p):
-                        found[np.asarray(p, np.int8).tobytes()] = np.asarray(p)
+    searched = 0
+    for i, j, dpu, gpu in cuts:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        mask = allowed.copy()
+        if i:
+            mask[:i] &= np.arange(len(kinds)) == dpu
+        mask[i:j] &= on_cpu
+        if j < n:
+            mask[j:] &= np.arange(len(kinds)) == gpu
+        p = solve(model, goal, mask, time_limit=left)
+        searched += 1
+        if p is not None and runnable(model, p):
+            found[np.asarray(p, np.int8).tobytes()] = np.asarray(p)
     if not found:
-        return None, None
+        return Runnable(None, None, len(cuts), searched)
     P = np.array(list(found.values()))
     first = best_row(evaluate(model, P), goal)
     if first is None:
-        return None, None
+        return Runnable(None, None, len(cuts), searched)
     rest = np.delete(P, first, axis=0)
     second = best_row(evaluate(model, rest), goal) if len(rest) else None
-    return P[first], (None if second is None else rest[second])
+    return Runnable(P[first], None if second is None else rest[second], len(cuts), searched)
+
+
+def _cuts(
+    allowed: np.ndarray, dpus, gpus, on_cpu
+) -> Iterator[tuple[int, int, int | None, int | None]]:
+    """(i, j, dpu, gpu): nodes [0, i) on `dpu`, [i, j) on host CPUs, [j, n) on `gpu`, for every
+    cut the kernels allow (the rest would leave a node nowhere to run), without building masks:
+    a DPU prefix ends before the first node that DPU cannot run, a GPU suffix starts after the
+    last one that GPU cannot, and host nodes run until one the host cannot."""
+    n = len(allowed)
+
+    def first_false(col: np.ndarray) -> int:
+        bad = np.flatnonzero(~col)
+        return int(bad[0]) if len(bad) else n
+
+    cpu_ok = allowed[:, on_cpu].any(axis=1)
+    bad_cpu = np.flatnonzero(~cpu_ok)
+    prefix = {int(d): first_false(allowed[:, d]) for d in dpus}
+    suffix = {}
+    for g in gpus:
+        bad = np.flatnonzero(~allowed[:, g])
+        suffix[int(g)] = int(bad[-1]) + 1 if len(bad) else 0
+    for i in range(n + 1):
+        stop = int(bad_cpu[np.searchsorted(bad_cpu, i)]) if (bad_cpu >= i).any() else n
+        for j in range(i, min(stop, n) + 1):
+            for dpu in [int(d) for d in dpus if prefix[int(d)] >= i] if i else [None]:
+                for gpu in [g for g in suffix if suffix[g] <= j] if j < n else [None]:
+                    yield i, j, dpu, gpu

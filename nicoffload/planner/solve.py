@@ -264,7 +264,8 @@ def plan_for(
     else:
         from nicoffload.planner.milp import solve_milp
 
-        result = solve_milp(model, goal, allowed, time_limit=left())
+        # with `runnable`, half the time is kept for the search among runnable shapes
+        result = solve_milp(model, goal, allowed, time_limit=left() / (2 if runnable else 1))
         best = result.placement
         if best is not None and result.gap > 1e-6:
             notes += (
@@ -324,8 +325,17 @@ def _shape(
                 "-> host CPU stages -> [a GPU stage]); `--runnable` plans the best one it runs",
             ),
         )
-    chosen, second = best_runnable(model, goal, allowed, limit)
+    found = best_runnable(model, goal, allowed, limit)
+    chosen, second = found.best, found.second
+    partial = found.searched < found.shapes
     if chosen is None:
+        if partial:
+            raise PlanError(
+                f"no runnable placement ([a DPU stage] -> host CPU stages -> [a GPU stage]) was "
+                f"found in the time limit: {found.searched} of the {found.shapes} shapes this "
+                f"DAG can take were searched (the best placement overall: {shape}); "
+                "give more --time-limit, or plan without --runnable"
+            )
         raise PlanError(
             f"the only feasible placements have stages like {shape}, which the runtime does not "
             "run yet ([a DPU stage] -> host CPU stages -> [a GPU stage])"
@@ -336,15 +346,18 @@ def _shape(
         "latency": lambda k: f"latency {float(m.latency[k]):.3f} ms",
         "host-cpu": lambda k: f"host CPU {float(m.host[k]):.4f} ms/item",
     }[goal.objective]
-    return (
-        chosen,
-        second,
-        (
-            f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
-            f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
-            f"({shape_text(stage_kinds(model, chosen))}, {what(1)})",
-        ),
+    notes = (
+        f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
+        f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
+        f"({shape_text(stage_kinds(model, chosen))}, {what(1)})",
     )
+    if partial:
+        notes += (
+            f"the time limit let the runnable search solve {found.searched} of the "
+            f"{found.shapes} shapes this DAG can take: this plan is the best of those, not "
+            "proven the best runnable one",
+        )
+    return chosen, second, notes
 
 
 def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:

@@ -101,3 +101,42 @@ def test_which_stage_shapes_run(topo: Path, kinds: list[str], runs: bool) -> Non
     }
     placement = [index[k] for k in kinds]
     assert runnable(model, placement) is runs
+
+
+def test_the_cuts_searched_are_those_that_leave_every_node_a_device() -> None:
+    """`_cuts` finds them from each node's devices, without a mask per cut (a 200-node DAG has
+    hundreds of thousands): the same set as building every mask."""
+    from nicoffload.planner.shapes import _cuts
+
+    rng = np.random.default_rng(7)
+    kinds = np.array(["cpu", "cpu", "dpu", "dpu", "gpu", "gpu"])
+    dpus, gpus, on_cpu = (
+        np.flatnonzero(kinds == "dpu"),
+        np.flatnonzero(kinds == "gpu"),
+        kinds == "cpu",
+    )
+    for _ in range(20):
+        allowed = rng.random((7, len(kinds))) < 0.8
+        got = set(_cuts(allowed, dpus, gpus, on_cpu))
+        want = set()
+        n = len(allowed)
+        for i in range(n + 1):
+            for j in range(i, n + 1):
+                for dpu in dpus if i else [None]:
+                    for gpu in gpus if j < n else [None]:
+                        mask = allowed.copy()
+                        if i:
+                            mask[:i] &= np.arange(len(kinds)) == dpu
+                        mask[i:j] &= on_cpu
+                        if j < n:
+                            mask[j:] &= np.arange(len(kinds)) == gpu
+                        if mask.any(axis=1).all():
+                            want.add(
+                                (
+                                    i,
+                                    j,
+                                    None if dpu is None else int(dpu),
+                                    None if gpu is None else int(gpu),
+                                )
+                            )
+        assert got == want
