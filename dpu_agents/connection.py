@@ -17,11 +17,13 @@ from dpu_agents import auth
 from dpu_agents.logs import log_event
 from dpu_agents.protocol import (
     CALLS,
+    MAX_INPUTS,
     MAX_LOAD_BYTES,
     PROTOCOL,
     AuthMeta,
     ChallengeMeta,
     HelloMeta,
+    InputMeta,
     LoadAck,
     LoadMeta,
     RequestMeta,
@@ -34,7 +36,7 @@ from dpu_agents.stagebuild import build_stage
 from nicoffload.errors import AgentError, FrameError, TransportError
 from nicoffload.transport import connect
 from nicoffload.transport.channel import Channel
-from nicoffload.transport.frame import DType, Header, Kind, decode_meta, error_frame
+from nicoffload.transport.frame import DType, Header, Kind, decode_meta, encode_meta, error_frame
 
 if TYPE_CHECKING:
     from dpu_agents.server import Agent
@@ -275,6 +277,7 @@ class Connection:
         built = build_stage(
             yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms
         )
+        _check_requests_fit(built.pipeline.inputs)
         sender = connect(
             load.forward_to,
             timeout=self.cfg.handshake_timeout_s,
@@ -326,3 +329,16 @@ class Connection:
         """The session cannot go on (its receiver is gone): tell the client, then hang up."""
         self.ch.post(error_frame(AgentError(f"forwarding failed: {exc}")), _DONTWAIT)
         self.ch.shutdown()
+
+
+def _check_requests_fit(inputs: Any) -> None:
+    """At LOAD, not per item: a pipeline whose requests the wire format cannot carry (too many
+    inputs, or names too long for the metadata) would have every item refused."""
+    if len(inputs) > MAX_INPUTS:
+        raise AgentError(
+            f"the pipeline takes {len(inputs)} inputs; a request carries at most {MAX_INPUTS}"
+        )
+    try:
+        encode_meta(RequestMeta(tuple(InputMeta(str(n), False, 1 << 40) for n in inputs)))
+    except ValueError as exc:
+        raise AgentError(f"a request of this pipeline's {len(inputs)} inputs: {exc}") from None

@@ -28,7 +28,8 @@ from nicoffload.transport.frame import Header, Kind, encode, encode_meta
 PROTOCOL = "nicoffload-agent/1"
 MAX_LOAD_BYTES = 4 << 20  # pipeline YAML + plan JSON
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
-MAX_INPUTS = 64  # inputs of one request
+MAX_INPUTS = 1024  # inputs of one request (a multi-camera request: 40 images + 40 captions;
+# their names and lengths stay well inside MAX_META)
 CALLS = frozenset({Kind.LOAD, Kind.STATS, Kind.DRAIN, Kind.SHUTDOWN, Kind.HEARTBEAT})
 
 
