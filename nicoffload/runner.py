@@ -32,6 +32,7 @@ class RunStats:
     items: int = 0
     errors: int = 0
     errors_by_reason: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)  # reason -> its first item's
     wall_s: float = 0.0
     latencies_s: list[float] = field(default_factory=list)
     host_cpu_s: float = 0.0
@@ -57,6 +58,7 @@ class RunStats:
             "items": self.items,
             "errors": self.errors,
             "errors_by_reason": dict(sorted(self.errors_by_reason.items())),
+            "error_examples": dict(sorted(self.error_examples.items())),
             "throughput_per_s": round(self.throughput_per_s, 2),
             "latency_ms": {
                 "p50": round(self.latency_ms(50), 3),
@@ -275,6 +277,8 @@ def stream(
             stats.batches += 1
             stats.errors += len(batch.failures)
             reasons.update(f.reason for f in batch.failures)
+            for f in batch.failures:
+                stats.error_examples.setdefault(f.reason, f"{f.name}: {f.detail}")
             stats.latencies_s.extend(batch.latencies_s.tolist())
             stats.wall_s = time.perf_counter() - t0
             yield batch

@@ -22,6 +22,8 @@ def summary_table(stats: RunStats) -> Table:
     t.add_row("items", f"{doc['items']}")
     errs = ", ".join(f"{k}: {v}" for k, v in doc["errors_by_reason"].items())
     t.add_row("errors", f"{doc['errors']}" + (f"  ({errs})" if errs else ""))
+    for reason, example in doc.get("error_examples", {}).items():
+        t.add_row(f"  first {reason}", example)
     t.add_row("throughput", f"{doc['throughput_per_s']:.1f} items/s")
     t.add_row(
         "latency", f"p50 {doc['latency_ms']['p50']:.2f} ms   p99 {doc['latency_ms']['p99']:.2f} ms"

@@ -24,6 +24,7 @@ from nicoffload.graph import Pipeline, Ref
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
+from nicoffload.transport.frame import MAX_PAYLOAD
 from nicoffload.transport.slots import ALIGN
 
 POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
@@ -203,10 +204,27 @@ def open_front(
     keys = leaving(pipeline, stage)
     batch = pipeline.batch_max_size
     specs = {k: pipeline.spec_of(_ref(pipeline, k)) for k in keys}
-    slot_bytes = sum(
-        -(-batch * s.typical_nbytes * (1 if s.static else 4) // ALIGN) * ALIGN + batch * ALIGN
-        for s in specs.values()
-    )
+
+    def slot_size(batch: int) -> int:
+        return sum(
+            -(-batch * s.typical_nbytes * (1 if s.static else 4) // ALIGN) * ALIGN + batch * ALIGN
+            for s in specs.values()
+        )
+
+    slot_bytes = slot_size(batch)
+    if slot_bytes > MAX_PAYLOAD:  # before any agent starts
+        fits = next((b for b in range(batch - 1, 0, -1) if slot_size(b) <= MAX_PAYLOAD), 0)
+        raise DeviceError(
+            f"stage '{stage.name}' on {device.id}: a batch of what it sends on ({len(keys)} "
+            f"tensors, {batch} items, room for 4x each dynamic tensor's typical size) needs "
+            f"{slot_bytes / 2**30:.1f} GiB per slot, past the wire format's "
+            f"{MAX_PAYLOAD / 2**30:.0f} GiB: "
+            + (
+                f"set `batch: {{max_size: {fits}}}` in the pipeline, or plan it elsewhere"
+                if fits
+                else "plan it elsewhere (not even one item fits)"
+            )
+        )
     rdma_device = None
     if transport == "rdma":  # before any agent starts: no RDMA device is a clear failure
         from nicoffload.transport import verbs

@@ -4,6 +4,7 @@ agent is noticed."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -241,3 +242,68 @@ def test_a_silent_agent_is_declared_dead_by_the_heartbeat() -> None:
     client.close()
     t.join(5)
     listener.close()
+
+
+def _captions(tmp_path: Path, n: int) -> Path:
+    """A pipeline of `n` caption inputs, each tokenized (a multi-caption request)."""
+    lines = ["name: captions", "inputs:"]
+    lines += [f"  t{i}: {{kind: text}}" for i in range(n)]
+    lines += ["nodes:"]
+    lines += [
+        f"  - {{name: tk{i}, op: tokenize, in: t{i}, params: {{max_length: 8}}}}" for i in range(n)
+    ]
+    lines += ["outputs:"] + [f"  ids{i}: tk{i}.input_ids" for i in range(n)]
+    path = tmp_path / f"captions{n}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_request_of_many_inputs_runs_and_too_many_are_refused_at_load(
+    agent, rx, tmp_path
+) -> None:
+    """80 inputs (40 cameras + 40 captions) were refused item by item ("80 inputs, at most
+    64"); now they run, and a pipeline no request could carry is refused once, at LOAD."""
+    from dpu_agents.protocol import MAX_INPUTS
+
+    many = _captions(tmp_path, 80)
+    with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
+        load(client, many, rx.address)
+        values = {f"t{i}": f"caption {i}" for i in range(80)}
+        client.submit(1, values, timeout=WAIT_S)
+        (d,) = collect(rx, 1)
+        assert d.meta["request_ids"] == [1] and not d.meta.get("failed")
+        want = on_host(many, [values])
+        for i in (0, 79):
+            np.testing.assert_array_equal(
+                d.tensors[f"tk{i}.input_ids"][0], want.outputs[f"ids{i}"][0]
+            )
+    too_many = _captions(tmp_path, MAX_INPUTS + 1)
+    with (
+        AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client,
+        pytest.raises(AgentError, match=f"at most {MAX_INPUTS}"),
+    ):
+        load(client, too_many, rx.address)
+
+
+def test_a_stage_whose_batch_cannot_fit_a_slot_says_what_batch_would() -> None:
+    """Before any agent starts: 120 tensors x 64 items once needed 4.9 GiB per slot and failed
+    with a bare ValueError from the transport."""
+    import dataclasses
+
+    from nicoffload.errors import DeviceError
+    from nicoffload.runtime.remote import open_front
+    from nicoffload.topology import load_topology
+
+    pipeline = dataclasses.replace(load_pipeline(RESNET), batch_max_size=4096)
+    plan = single_device_plan(pipeline, "dpu0")
+    device = load_topology(ROOT / "pipelines" / "topologies" / "bluefield3-h100.yaml").device(
+        "dpu0"
+    )
+    want = r"GiB per slot.*set `batch: \{max_size: (\d+)\}`"
+    with (
+        pytest.raises(DeviceError, match=want) as err,
+        open_front(pipeline, plan, plan.stages[0], device),
+    ):
+        pass
+    fits = int(re.search(r"max_size: (\d+)", str(err.value))[1])
+    assert 0 < fits < 4096

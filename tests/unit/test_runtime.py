@@ -72,6 +72,7 @@ def test_a_failing_item_is_counted_and_the_others_are_unaffected(tmp_path):
     assert result.ok.tolist() == [True, False, True]
     assert [(f.index, f.reason) for f in result.failures] == [(1, "bad_text")]
     assert result.stats.errors_by_reason == {"bad_text": 1}
+    assert "not UTF-8" in result.stats.error_examples["bad_text"]  # `run` prints it
     assert not result.outputs["ids"][1].any()
     clean = nicoffload.run(pipeline_file(tmp_path), ["good one", "good two"])
     np.testing.assert_array_equal(result.outputs["ids"][[0, 2]], clean.outputs["ids"])
