@@ -259,6 +259,7 @@ def plan_for(
     )
     allowed = allowed_mask(pipeline, topo, model)
     notes = profile_notes(profiles)
+    timed_out = False
     if is_chain(model):
         best = solve_chain(model, goal, allowed)
     else:
@@ -267,6 +268,7 @@ def plan_for(
         # with `runnable`, half the time is kept for the search among runnable shapes
         result = solve_milp(model, goal, allowed, time_limit=left() / (2 if runnable else 1))
         best = result.placement
+        timed_out = best is None and result.status != "infeasible"
         if best is not None and result.gap > 1e-6:
             notes += (
                 f"the MILP stopped at its {time_limit_s:g} s time limit: this plan is proven "
@@ -284,6 +286,12 @@ def plan_for(
                 f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
                 f"is optimal, but among plans that tie on it its {SECONDARY[objective]} {proven}",
             )
+    if best is None and timed_out:
+        raise PlanError(  # out of time, not a proof that nothing fits
+            f"the MILP found no placement in its {time_limit_s:g} s time limit "
+            f"({len(model.nodes)} nodes on {len(model.devices)} devices): give it more "
+            "(--time-limit)"
+        )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
     best, second, shape_notes = _shape(model, goal, allowed, best, runnable, left())
