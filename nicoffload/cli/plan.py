@@ -107,7 +107,9 @@ def render(plan: Plan, width: int = 120) -> list[Any]:
             )
         )
     elif ex:
-        why = ex.get("runner_up_missing") or "no other placement is feasible"
+        from nicoffload.planner.solve import INFEASIBLE
+
+        why = ex.get("runner_up_missing") or INFEASIBLE
         out.append(Text(f"runner-up: none ({why})"))
     for note in plan.notes:
         out.append(Text(f"note: {note}", style="dim"))

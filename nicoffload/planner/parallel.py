@@ -200,9 +200,8 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
         return _Stage(o, o.t, 0.0)
     best = o if o.paths is not None else None
     # lo steers the search (a cap at lo or under is infeasible, if presolve is right); sure is
-    # what has been proven: the LP's bound (no integer presolve) or a re-checked refutation
-    # the LP's bound is proven (no integer presolve): what a stage cut short by the deadline
-    # reports its gap against, where no refutation has been re-checked yet
+    # what has been proven: the LP's bound (no integer presolve) or a re-checked refutation,
+    # which a stage cut short by the deadline reports its gap against
     lp = s.solve(bound, "T", t_cap, h_cap, relax=True)
     if lp.status == "infeasible":
         return _Stage(None, np.inf, 0.0, True)

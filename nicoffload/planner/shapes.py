@@ -108,8 +108,11 @@ def _cuts(
         bad = np.flatnonzero(~allowed[:, g])
         suffix[int(g)] = int(bad[-1]) + 1 if len(bad) else 0
     for i in range(n + 1):
-        stop = int(bad_cpu[np.searchsorted(bad_cpu, i)]) if (bad_cpu >= i).any() else n
-        for j in range(i, min(stop, n) + 1):
-            for dpu in [int(d) for d in dpus if prefix[int(d)] >= i] if i else [None]:
-                for gpu in [g for g in suffix if suffix[g] <= j] if j < n else [None]:
+        k = int(np.searchsorted(bad_cpu, i))
+        stop = int(bad_cpu[k]) if k < len(bad_cpu) else n
+        on_dpu = [d for d, end in prefix.items() if end >= i] if i else [None]
+        for j in range(i, stop + 1):
+            on_gpu = [g for g, start in suffix.items() if start <= j] if j < n else [None]
+            for dpu in on_dpu:
+                for gpu in on_gpu:
                     yield i, j, dpu, gpu
