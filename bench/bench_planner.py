@@ -7,6 +7,7 @@ GPUDirect RDMA. Kernels for every op on every kind; the shipped estimated profil
 
     .venv/bin/python bench/bench_planner.py [--branches 40] [--repeat 3] [--time-limit 60]
         [--objectives throughput,latency,host-cpu] [--limits 0.5,1,2] [--highs-seeds 6]
+        [--oracle 8]
 
 Times the solver (`solve_milp`: the proven gap of the objective and of its tie-break) and
 what a user waits for: `plan_for`, and `plan_for(explain=True)` as `nicoffload plan` calls
@@ -90,6 +91,13 @@ def main() -> None:
         help="also time solve_milp under HiGHS random_seed 0..N-1 (one run each): the time of "
         "one run is one draw of its search order, which moves it 2-4x",
     )
+    ap.add_argument(
+        "--oracle",
+        type=int,
+        default=0,
+        help="also time, over HiGHS seeds 0..N-1, the least HiGHS work an exact plan needs when "
+        "handed the optimum: its final search and the refutations that prove it",
+    )
     args = ap.parse_args()
 
     from nicoffload.graph import load_pipeline
@@ -158,6 +166,8 @@ def main() -> None:
         _limits(model, args)
     if args.highs_seeds:
         _seeds(model, args)
+    if args.oracle:
+        _oracle(model, args)
     print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
 
 
@@ -194,20 +204,35 @@ def _limits(model, args) -> None:
             )
 
 
-def _seeds(model, args) -> None:
-    """solve_milp's CPU time over HiGHS seeds. The planner passes HiGHS no seed (it is pure
-    and its plans do not depend on one), so the bench sets it around scipy's milp."""
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """HiGHS's random seed set around scipy's milp for the block. The planner passes HiGHS no
+    seed (it is pure and its plans do not depend on one); one seed is one draw of HiGHS's
+    search order, which moves a search's time 2-4x."""
     import warnings
 
     import scipy.optimize
 
-    from nicoffload.planner.evaluate import Goal
+    milp = scipy.optimize.milp
+
+    def seeded(*a, options=None, **k):
+        return milp(*a, options={**(options or {}), "random_seed": seed}, **k)
 
     # scipy passes options it does not know (random_seed) to HiGHS as they are, and says so
-    warnings.filterwarnings("ignore", message="Unrecognized options detected")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unrecognized options detected")
+        scipy.optimize.milp = seeded
+        try:
+            yield
+        finally:
+            scipy.optimize.milp = milp
+
+
+def _seeds(model, args) -> None:
+    """solve_milp's CPU time over HiGHS seeds."""
+    from nicoffload.planner.evaluate import Goal
     from nicoffload.planner.milp import solve_milp
 
-    milp = scipy.optimize.milp
     print(
         f"| objective | solve CPU (s) over HiGHS seeds 0..{args.highs_seeds - 1}: median "
         "(min-max) | each | gaps |"
@@ -216,23 +241,96 @@ def _seeds(model, args) -> None:
     for objective in args.objectives.split(","):
         cpu, gaps = [], set()
         for seed in range(args.highs_seeds):
-
-            def seeded(*a, options=None, _seed=seed, **k):
-                return milp(*a, options={**(options or {}), "random_seed": _seed}, **k)
-
-            scipy.optimize.milp = seeded
-            try:
+            with _seeded(seed):
                 start = time.process_time()
                 res = solve_milp(model, Goal(objective), time_limit=args.time_limit)
                 cpu.append(time.process_time() - start)
-            finally:
-                scipy.optimize.milp = milp
             gaps.add((res.gap, res.tie_gap))
         each = ", ".join(f"{c:.2f}" for c in cpu)
         print(
             f"| {objective} | {statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f}) "
             f"| {each} | {sorted(gaps)} |"
         )
+
+
+def _oracle(model, args) -> None:
+    """The least HiGHS work an exact plan needs when it is handed the optimum (what the staged
+    search spends finding it aside): one search for the final packing and the refutations just
+    under it, without presolve (the planner trusts a refutation only so: planner/parallel.py).
+    Throughput: the packing at (T*, L*), T refuted just under T*, and the latency candidate
+    under L* refuted with T <= T*. Host-cpu: the packing at (H*, T*), H refuted under H* (no
+    proof needed when H* = 0), and T refuted just under T* with H <= H*. Per step the median
+    and least over seeds, and the sum of the least: what a portfolio of that many HiGHS runs
+    racing on as many cores would take, if it cost nothing to race them."""
+    import numpy as np
+
+    from nicoffload.planner import parallel
+    from nicoffload.planner.branches import chain_classes, suffixes
+    from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
+    from nicoffload.planner.milp import solve_milp
+
+    classes = chain_classes(model)
+    cands = np.unique(np.concatenate([np.maximum(0.0, suffixes(c)[0]) for c in classes]))
+    steps = {
+        "throughput": ("packing at (T*, L*)", "T refuted under T*", "L refuted under L*"),
+        "host-cpu": ("packing at (H*, T*)", "H refuted under H*", "T refuted under T*"),
+    }
+    print(f"| objective | step | s over HiGHS seeds 0..{args.oracle - 1}: median (least) |")
+    print("|---|---|---|")
+    for objective in [o for o in args.objectives.split(",") if o in steps]:
+        exact = solve_milp(model, Goal(objective), time_limit=args.time_limit)
+        m = evaluate(model, exact.placement[None, :])
+        t_star, l_star, h_star = (float(x[0]) for x in (m.bottleneck, m.latency, m.host))
+        at = int(np.searchsorted(cands, l_star * (1 + REL_TOL), side="right")) - 1
+        times = []
+        for seed in range(args.oracle):
+            s = parallel._Search(model, classes, time.perf_counter() + args.time_limit)
+            loose = s.problem(np.inf)
+            t_cap = t_star * (1 + REL_TOL) + 1e-12
+            h_cap = h_star * (1 + REL_TOL) + 1e-12
+            with _seeded(seed):
+                if objective == "throughput":
+                    tight, under = s.problem(float(cands[at])), s.problem(float(cands[at - 1]))
+                    row = [
+                        _search(tight, t_cap, np.inf),
+                        _proof(loose, t_star * parallel.BELOW, np.inf),
+                        _proof(under, t_cap, np.inf),
+                    ]
+                else:
+                    row = [
+                        _search(loose, t_cap, h_cap),
+                        _proof(loose, np.inf, h_star * parallel.BELOW) if h_star > 0 else 0.0,
+                        _proof(loose, t_star * parallel.BELOW, h_cap),
+                    ]
+            times.append(row)
+        t = np.array(times)
+        for i, name in enumerate(steps[objective]):
+            print(f"| {objective} | {name} | {np.median(t[:, i]):.2f} ({t[:, i].min():.2f}) |")
+        total = t.sum(axis=1)
+        print(
+            f"| {objective} | all | {np.median(total):.2f} ({total.min():.2f}); the least of "
+            f"each step: {t.min(axis=0).sum():.2f} |"
+        )
+
+
+def _search(problem, t_cap: float, h_cap: float) -> float:
+    """Seconds to find a packing under the caps (there is one)."""
+    start = time.perf_counter()
+    o = problem.find(t_cap, h_cap, 600.0)
+    assert o.paths is not None, o.status
+    return time.perf_counter() - start
+
+
+def _proof(problem, t_cap: float, h_cap: float) -> float:
+    """Seconds to refute the caps as the planner trusts a refutation (without presolve), the
+    faster of its two ways: as a feasibility question, or as the least load under the caps."""
+    took = []
+    for objective in (None, "T"):
+        start = time.perf_counter()
+        o = problem.find(t_cap, h_cap, 600.0, objective, presolve=False)
+        assert o.status == "infeasible", o.status
+        took.append(time.perf_counter() - start)
+    return min(took)
 
 
 @contextlib.contextmanager
