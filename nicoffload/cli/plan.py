@@ -241,11 +241,27 @@ def plan(
     console = Console(width=None if sys.stdout.isatty() else 120)
     for part in render(the_plan, console.width):
         console.print(part)
-    for d in landing:
-        console.print(
-            f"into the GPU, {d['transfer']} over {d['link']}: {d['destination']} ({d['reason']})"
-        )
-        if "warning" in d:
-            console.print(f"warning: {d['warning']}", style="yellow")
+    for line, warning in landing_lines(landing):
+        console.print(line)
+        if warning:
+            console.print(f"warning: {warning}", style="yellow")
     if output is not None:
         typer.echo(f"plan written to {output}", err=True)
+
+
+def landing_lines(landing: list[dict], shown: int = 3) -> list[tuple[str, str | None]]:
+    """`gpudirect.for_plan`'s rows as lines, one per link, landing and reason (with its warning,
+    once): a 200-node DAG has dozens of such transfers, all landing alike."""
+    groups: dict[tuple, list[str]] = {}
+    for d in landing:
+        key = (d["link"], d["destination"], d["reason"], d.get("warning"))
+        groups.setdefault(key, []).append(d["transfer"])
+    out = []
+    for (link, destination, reason, warning), transfers in groups.items():
+        pairs = list(dict.fromkeys(transfers))  # a stage pair may carry several tensors
+        which = ", ".join(pairs[:shown]) + (
+            f" and {len(pairs) - shown} more" if len(pairs) > shown else ""
+        )
+        what = which if len(transfers) == 1 else f"{len(transfers)} transfers ({which})"
+        out.append((f"into the GPU, {what} over {link}: {destination} ({reason})", warning))
+    return out

@@ -178,3 +178,27 @@ def test_a_bad_topology_file_exits_2_at_its_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(build_app(), ["plan", RESNET, "--topology", str(bad)])
     assert result.exit_code == 2
     assert f"{bad}:2:27: device 'cpu': 'cores' must be a positive integer" in result.stderr
+
+
+def test_transfers_into_the_gpu_that_land_alike_are_one_line() -> None:
+    """A 200-node DAG has dozens of DPU -> GPU transfers: one line (and one warning) per link,
+    landing and reason, naming the first few; a lone transfer keeps its own line."""
+    from nicoffload.cli.plan import landing_lines
+
+    def row(pair: str, link: str, warning: str | None = None) -> dict:
+        r = {"transfer": pair, "link": link, "destination": "pinned-host", "reason": "why"}
+        return {**r, "warning": warning} if warning else r
+
+    landing = [
+        row(f"s{i}-dpu0 -> s9-gpu0", "rdma-gpudirect", "no GPUDirect here") for i in (1, 2, 3, 4)
+    ]
+    landing.insert(1, row("s1-dpu0 -> s9-gpu0", "rdma-gpudirect", "no GPUDirect here"))
+    landing.append(row("s5-dpu1 -> s9-gpu0", "rdma+pcie"))
+    assert landing_lines(landing) == [
+        (
+            "into the GPU, 5 transfers (s1-dpu0 -> s9-gpu0, s2-dpu0 -> s9-gpu0, s3-dpu0 -> "
+            "s9-gpu0 and 1 more) over rdma-gpudirect: pinned-host (why)",
+            "no GPUDirect here",
+        ),
+        ("into the GPU, s5-dpu1 -> s9-gpu0 over rdma+pcie: pinned-host (why)", None),
+    ]
