@@ -96,6 +96,8 @@ def render(plan: Plan, width: int = 120) -> list[Any]:
                 style="bold",
             )
         )
+    if plan.search:
+        out.append(Text(search_line(plan.search)))
     ru = ex.get("runner_up")
     if ru:
         moved = ", ".join(f"{n} {a}->{b}" for n, (a, b) in ru["differs"].items())
@@ -265,3 +267,19 @@ def landing_lines(landing: list[dict], shown: int = 3) -> list[tuple[str, str | 
         what = which if len(transfers) == 1 else f"{len(transfers)} transfers ({which})"
         out.append((f"into the GPU, {what} over {link}: {destination} ({reason})", warning))
     return out
+
+
+def search_line(search: dict) -> str:
+    """'search: MILP (...), 4.31 s: proven optimal' and the like, from Plan.search."""
+    gap, tie = search.get("gap"), search.get("tie_break_gap")
+    if gap is None:
+        what = "no bound proven (time limit)"
+    elif gap > 1e-6:
+        what = f"proven within {gap:.1%} of the optimum (time limit)"
+    elif tie is None or tie > 1e-6:
+        what = "objective proven optimal; its tie-break " + (
+            "not proven (time limit)" if tie is None else f"within {tie:.1%} (time limit)"
+        )
+    else:
+        what = "proven optimal"
+    return f"search: {search['method']}, {search['seconds']:.2f} s: {what}"

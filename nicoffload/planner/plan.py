@@ -64,6 +64,9 @@ class Plan:
     io_transfers: tuple[TransferPlan, ...] = ()  # input -> first stage, last stage -> egress
     loads: dict[str, float] = field(default_factory=dict)  # resource -> ms of it per item
     explain: dict[str, Any] = field(default_factory=dict)  # why: bottleneck, runner-up, ...
+    # how it was found: method, seconds, time_limit_s, and the proven relative gap of the
+    # objective and of its tie-break (0: optimal; None: nothing proven)
+    search: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -92,6 +95,7 @@ class Plan:
                 io_transfers=tuple(TransferPlan(**t) for t in doc.get("io_transfers", ())),
                 loads=dict(doc.get("loads", {})),
                 explain=dict(doc.get("explain", {})),
+                search=dict(doc.get("search", {})),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"not a nicoffload plan: {exc!r}", Mark(source, 1, 1)) from None

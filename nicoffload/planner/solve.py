@@ -249,7 +249,8 @@ def plan_for(
     model = build_model(pipeline, topo, profiles, catalog or Catalog.from_registry())
     if not is_chain(model):
         import scipy.optimize  # noqa: F401  (0.7 s here: before the clock, not out of the search's)
-    deadline = time.perf_counter() + time_limit_s
+    start = time.perf_counter()
+    deadline = start + time_limit_s
 
     def left() -> float:
         return max(0.0, deadline - time.perf_counter())
@@ -263,6 +264,7 @@ def plan_for(
     allowed = allowed_mask(pipeline, topo, model)
     notes = profile_notes(profiles)
     timed_out = False
+    gaps: tuple[float, float] = (0.0, 0.0)  # proven: the objective's, its tie-break's
     if is_chain(model):
         best = solve_chain(model, goal, allowed)
     else:
@@ -272,6 +274,7 @@ def plan_for(
         result = solve_milp(model, goal, allowed, time_limit=left() / (2 if runnable else 1))
         best = result.placement
         timed_out = best is None and result.status != "infeasible"
+        gaps = (result.gap, result.tie_gap)
         if best is not None and result.gap > 1e-6:
             proven = (
                 f": this plan is proven within {result.gap:.1%} of the optimum, not optimal"
@@ -310,7 +313,25 @@ def plan_for(
         elif second is None:
             missing = "no other placement of a shape the runtime runs"
         plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
-    return plan
+    return replace(plan, search=_search_record(model, gaps, start, time_limit_s))
+
+
+def _search_record(
+    model: CostModel, gaps: tuple[float, float], start: float, time_limit_s: float
+) -> dict:
+    """Plan.search: how the placement was found and what is proven of it."""
+
+    def proven(gap: float) -> float | None:  # a gap of 1 or more bounds nothing
+        return round(float(gap), 6) if gap < 1 else None
+
+    chain = is_chain(model)
+    return {
+        "method": "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)",
+        "seconds": round(time.perf_counter() - start, 3),
+        "time_limit_s": time_limit_s,
+        "gap": proven(gaps[0]),
+        "tie_break_gap": proven(gaps[1]) if gaps[0] <= 1e-6 else None,
+    }
 
 
 def _shape(

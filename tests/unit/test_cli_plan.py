@@ -49,6 +49,9 @@ def test_plan_json_has_the_design_shape() -> None:
     ex = doc["explain"]
     assert {"bottleneck", "devices", "links", "latency_path", "runner_up"} <= set(ex)
     assert ex["runner_up"]["why"] and ex["runner_up"]["lost_on"] in ("throughput", "latency")
+    search = doc["search"]  # resnet50 is a chain: exact at once
+    assert search["method"] == "dynamic programming" and search["gap"] == 0
+    assert search["tie_break_gap"] == 0 and search["seconds"] >= 0 and search["time_limit_s"] == 20
 
 
 def test_the_edge_box_and_the_bluefield3_server_place_resnet_differently_for_a_reason(
@@ -102,6 +105,8 @@ def test_plan_prints_placement_breakdown_loads_and_the_runner_up() -> None:
         "runner-up",
         "lost on throughput (link bytes)",
         "estimate",
+        "search: dynamic programming,",
+        "proven optimal",
     ):
         assert part in result.stdout, part
 
@@ -202,3 +207,23 @@ def test_transfers_into_the_gpu_that_land_alike_are_one_line() -> None:
         ),
         ("into the GPU, s5-dpu1 -> s9-gpu0 over rdma+pcie: pinned-host (why)", None),
     ]
+
+
+@pytest.mark.parametrize(
+    "search, says",
+    [
+        ({"gap": 0.0, "tie_break_gap": 0.0}, "proven optimal"),
+        ({"gap": 0.02, "tie_break_gap": None}, "proven within 2.0% of the optimum (time limit)"),
+        ({"gap": None, "tie_break_gap": None}, "no bound proven (time limit)"),
+        (
+            {"gap": 0.0, "tie_break_gap": 0.05},
+            "objective proven optimal; its tie-break within 5.0%",
+        ),
+        ({"gap": 0.0, "tie_break_gap": None}, "its tie-break not proven (time limit)"),
+    ],
+)
+def test_the_search_line_says_what_is_proven(search: dict, says: str) -> None:
+    from nicoffload.cli.plan import search_line
+
+    line = search_line({"method": "MILP", "seconds": 1.234, **search})
+    assert line.startswith("search: MILP, 1.23 s: ") and says in line

@@ -111,6 +111,7 @@ def test_a_cut_short_plan_claims_no_more_than_is_proven(instance, objective: str
         return  # it claims nothing
     claim = re.search(r"this plan is proven within ([0-9.]+)% of the optimum", notes)
     gap = float(claim[1]) / 100 if claim else 0.0
+    assert plan.search["gap"] == pytest.approx(gap, abs=5e-4)  # --json says it too
     ours, theirs = float(getattr(mine, primary)[0]), float(getattr(later, primary)[0])
     assert theirs >= ours * (1 - gap - 1e-3) - 1e-9, (notes, ours, theirs)
     if claim or theirs > ours * (1 + 1e-6) + 1e-9:
@@ -179,6 +180,8 @@ def test_a_plan_cut_short_before_any_bound_claims_none(instance, monkeypatch) ->
     _longer(model, "throughput", cache)  # any placement will do
     cut = milp.MilpResult(cache["throughput"], "feasible", 1.0, 1, float("inf"))
     monkeypatch.setattr(milp, "solve_milp", lambda *a, **k: cut)
-    notes = " ".join(plan_for(pipeline, topology, catalog=CATALOG, time_limit_s=0.5).notes)
+    plan = plan_for(pipeline, topology, catalog=CATALOG, time_limit_s=0.5)
+    notes = " ".join(plan.notes)
     assert "stopped at its 0.5 s time limit before it proved any bound" in notes
     assert "proven within" not in notes
+    assert plan.search["gap"] is None and plan.search["tie_break_gap"] is None
