@@ -17,7 +17,16 @@ if TYPE_CHECKING:
 
 DEVICES = ("cpu", "dpu", "gpu")
 REQUIRED = object()
-OP_MODULES = ("decode", "resize", "crop", "normalize", "fused", "tokenize", "gpu_image", "gpu_decode")
+OP_MODULES = (
+    "decode",
+    "resize",
+    "crop",
+    "normalize",
+    "fused",
+    "tokenize",
+    "gpu_image",
+    "gpu_decode",
+)
 
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
