@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nicoffload.errors import PlanError
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import Goal, best_row, evaluate
 from nicoffload.planner.plan import device_kind
@@ -116,3 +117,69 @@ def _cuts(
             for dpu in on_dpu:
                 for gpu in on_gpu:
                     yield i, j, dpu, gpu
+
+
+def plan_shape(
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray,
+    best: np.ndarray,
+    only_runnable: bool,
+    limit: float,
+) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...]]:
+    """The placement to plan: `best`, or with `only_runnable` and `best` of a shape the runtime
+    does not run, the best runnable one; its runner-up when that was found on the way; and the
+    notes that say so."""
+    if runnable(model, best):
+        return best, None, ()
+    shape = shape_text(stage_kinds(model, best))
+    if not only_runnable:
+        return (
+            best,
+            None,
+            (
+                f"this plan's stages ({shape}) are not a shape the runtime runs yet ([a DPU stage] "
+                "-> host CPU stages -> [a GPU stage]); `--runnable` plans the best one it runs",
+            ),
+        )
+    found = best_runnable(model, goal, allowed, limit)
+    chosen, second = found.best, found.second
+    partial = found.searched < found.shapes
+    if chosen is None:
+        if partial:
+            raise PlanError(
+                f"no runnable placement ([a DPU stage] -> host CPU stages -> [a GPU stage]) was "
+                f"found in the time limit: {found.searched} of the {found.shapes} shapes this "
+                f"DAG can take were searched (the best placement overall: {shape}); "
+                "give more --time-limit, or plan without --runnable"
+            )
+        raise PlanError(
+            f"the only feasible placements have stages like {shape}, which the runtime does not "
+            "run yet ([a DPU stage] -> host CPU stages -> [a GPU stage])"
+        )
+    m = evaluate(model, np.array([best, chosen]))
+    what = {
+        "throughput": lambda k: f"{1e3 / float(m.bottleneck[k]):,.0f} items/s",
+        "latency": lambda k: f"latency {float(m.latency[k]):.3f} ms",
+        "host-cpu": lambda k: f"host CPU {float(m.host[k]):.4f} ms/item",
+    }[goal.objective]
+    notes = (
+        f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
+        f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
+        f"({shape_text(stage_kinds(model, chosen))}, {what(1)})",
+    )
+    if partial:
+        notes += (
+            f"the time limit let the runnable search solve {found.searched} of the "
+            f"{found.shapes} shapes this DAG can take: this plan is the best of those, not "
+            "proven the best runnable one",
+        )
+    return chosen, second, notes
+
+
+def shape_text(kinds: Sequence[str]) -> str:
+    """Stage kinds in order ("dpu -> cpu -> gpu"), counted when there are too many to read."""
+    if len(kinds) <= 8:
+        return " -> ".join(kinds)
+    count = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return f"{len(kinds)} stages: " + ", ".join(f"{n} on {k}" for k, n in count.items())

@@ -302,7 +302,9 @@ def plan_for(
         )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    best, second, shape_notes = _shape(model, goal, allowed, best, runnable, left())
+    from nicoffload.planner.shapes import plan_shape
+
+    best, second, shape_notes = plan_shape(model, goal, allowed, best, runnable, left())
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes + shape_notes)
     if explain:
         from nicoffload.planner.explain import explanation
@@ -334,66 +336,6 @@ def _search_record(
     }
 
 
-def _shape(
-    model: CostModel,
-    goal: Goal,
-    allowed: np.ndarray,
-    best: np.ndarray,
-    runnable: bool,
-    limit: float,
-) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...]]:
-    """The placement to plan (the runnable best when asked and needed), its runner-up when that
-    was found on the way, and the notes that say so."""
-    from nicoffload.planner.shapes import best_runnable, stage_kinds
-    from nicoffload.planner.shapes import runnable as runs
-
-    if runs(model, best):
-        return best, None, ()
-    shape = shape_text(stage_kinds(model, best))
-    if not runnable:
-        return (
-            best,
-            None,
-            (
-                f"this plan's stages ({shape}) are not a shape the runtime runs yet ([a DPU stage] "
-                "-> host CPU stages -> [a GPU stage]); `--runnable` plans the best one it runs",
-            ),
-        )
-    found = best_runnable(model, goal, allowed, limit)
-    chosen, second = found.best, found.second
-    partial = found.searched < found.shapes
-    if chosen is None:
-        if partial:
-            raise PlanError(
-                f"no runnable placement ([a DPU stage] -> host CPU stages -> [a GPU stage]) was "
-                f"found in the time limit: {found.searched} of the {found.shapes} shapes this "
-                f"DAG can take were searched (the best placement overall: {shape}); "
-                "give more --time-limit, or plan without --runnable"
-            )
-        raise PlanError(
-            f"the only feasible placements have stages like {shape}, which the runtime does not "
-            "run yet ([a DPU stage] -> host CPU stages -> [a GPU stage])"
-        )
-    m = evaluate(model, np.array([best, chosen]))
-    what = {
-        "throughput": lambda k: f"{1e3 / float(m.bottleneck[k]):,.0f} items/s",
-        "latency": lambda k: f"latency {float(m.latency[k]):.3f} ms",
-        "host-cpu": lambda k: f"host CPU {float(m.host[k]):.4f} ms/item",
-    }[goal.objective]
-    notes = (
-        f"the best placement overall ({shape}, {what(0)}) is not a shape the runtime runs yet "
-        f"([a DPU stage] -> host CPU stages -> [a GPU stage]): this is the best one it runs "
-        f"({shape_text(stage_kinds(model, chosen))}, {what(1)})",
-    )
-    if partial:
-        notes += (
-            f"the time limit let the runnable search solve {found.searched} of the "
-            f"{found.shapes} shapes this DAG can take: this plan is the best of those, not "
-            "proven the best runnable one",
-        )
-    return chosen, second, notes
-
-
 def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
     """Which profile priced each device, and whether it was measured or is an estimate: one
     note per profile, naming the devices it priced."""
@@ -403,14 +345,6 @@ def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
         what = f"profile {Path(p.source).name} ({how}{', ' + p.date if p.date else ''})"
         by.setdefault(what, []).append(dev)
     return tuple(f"{', '.join(devs)}: {what}" for what, devs in by.items())
-
-
-def shape_text(kinds: Sequence[str]) -> str:
-    """Stage kinds in order ("dpu -> cpu -> gpu"), counted when there are too many to read."""
-    if len(kinds) <= 8:
-        return " -> ".join(kinds)
-    count = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
-    return f"{len(kinds)} stages: " + ", ".join(f"{n} on {k}" for k, n in count.items())
 
 
 def _route_text(topology: Topology, src: str, dst: str) -> tuple[str, str | None]:
