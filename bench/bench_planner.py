@@ -72,6 +72,29 @@ def topology_yaml() -> str:
     )
 
 
+def bench_instance(branches: int):
+    """(pipeline, topology, catalog) of the bench: kernels for every op on every kind, the
+    fused resize-crop-normalize chain on each."""
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner.cost import Catalog
+    from nicoffload.topology import load_topology
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "p.yaml").write_text(pipeline_yaml(branches))
+        (Path(tmp) / "t.yaml").write_text(topology_yaml())
+        pipeline = load_pipeline(Path(tmp) / "p.yaml")
+        topo = load_topology(Path(tmp) / "t.yaml")
+    fused = {k: (("resize", "center_crop", "normalize"),) for k in ("cpu", "dpu", "gpu")}
+    catalog = Catalog(
+        {
+            **{op: frozenset({"cpu", "dpu", "gpu"}) for op in IMAGE_OPS},
+            "tokenize": frozenset({"cpu", "dpu"}),
+        },
+        fused,
+    )
+    return pipeline, topo, catalog
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--branches", type=int, default=40)
@@ -100,26 +123,12 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from nicoffload.graph import load_pipeline
-    from nicoffload.planner.cost import Catalog, build_model
+    from nicoffload.planner.cost import build_model
     from nicoffload.planner.evaluate import Goal, evaluate
     from nicoffload.planner.milp import solve_milp
     from nicoffload.planner.solve import plan_for, resolve_profiles
-    from nicoffload.topology import load_topology
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "p.yaml").write_text(pipeline_yaml(args.branches))
-        (Path(tmp) / "t.yaml").write_text(topology_yaml())
-        pipeline = load_pipeline(Path(tmp) / "p.yaml")
-        topo = load_topology(Path(tmp) / "t.yaml")
-    fused = {k: (("resize", "center_crop", "normalize"),) for k in ("cpu", "dpu", "gpu")}
-    catalog = Catalog(
-        {
-            **{op: frozenset({"cpu", "dpu", "gpu"}) for op in IMAGE_OPS},
-            "tokenize": frozenset({"cpu", "dpu"}),
-        },
-        fused,
-    )
+    pipeline, topo, catalog = bench_instance(args.branches)
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
     t0 = time.perf_counter()
     model = build_model(pipeline, topo, resolve_profiles(topo), catalog)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -92,28 +90,16 @@ def main() -> None:
 
     import gurobipy
     import scipy.optimize
-    from bench_planner import IMAGE_OPS, pipeline_yaml, topology_yaml
+    from bench_planner import bench_instance
 
-    from nicoffload.graph import load_pipeline
     from nicoffload.planner import parallel
     from nicoffload.planner.branches import chain_classes
-    from nicoffload.planner.cost import Catalog, build_model
+    from nicoffload.planner.cost import build_model
     from nicoffload.planner.evaluate import Goal, evaluate
     from nicoffload.planner.milp import solve_milp
     from nicoffload.planner.solve import resolve_profiles
-    from nicoffload.topology import load_topology
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "p.yaml").write_text(pipeline_yaml(40))
-        (Path(tmp) / "t.yaml").write_text(topology_yaml())
-        pipeline, topo = load_pipeline(Path(tmp) / "p.yaml"), load_topology(Path(tmp) / "t.yaml")
-    catalog = Catalog(
-        {
-            **{op: frozenset({"cpu", "dpu", "gpu"}) for op in IMAGE_OPS},
-            "tokenize": frozenset({"cpu", "dpu"}),
-        },
-        {k: (("resize", "center_crop", "normalize"),) for k in ("cpu", "dpu", "gpu")},
-    )
+    pipeline, topo, catalog = bench_instance(40)
     model = build_model(pipeline, topo, resolve_profiles(topo), catalog)
     classes = chain_classes(model)
     print(f"Gurobi {'.'.join(map(str, gurobipy.gurobi.version()))}, {args.threads} thread(s)")
