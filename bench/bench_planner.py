@@ -291,12 +291,12 @@ def _oracle(model, args) -> None:
         m = evaluate(model, exact.placement[None, :])
         t_star, l_star, h_star = (float(x[0]) for x in (m.bottleneck, m.latency, m.host))
         at = int(np.searchsorted(cands, l_star * (1 + REL_TOL), side="right")) - 1
+        t_cap = t_star * (1 + REL_TOL) + 1e-12
+        h_cap = h_star * (1 + REL_TOL) + 1e-12
         times = []
         for seed in range(args.oracle):
             s = parallel._Search(model, classes, time.perf_counter() + args.time_limit)
             loose = s.problem(np.inf)
-            t_cap = t_star * (1 + REL_TOL) + 1e-12
-            h_cap = h_star * (1 + REL_TOL) + 1e-12
             with _seeded(seed):
                 if objective == "throughput":
                     tight = s.problem(float(cands[at]))

@@ -247,7 +247,8 @@ def plan_for(
     topo = resolve_topology(topology)
     profiles = resolve_profiles(topo, profile)
     model = build_model(pipeline, topo, profiles, catalog or Catalog.from_registry())
-    if not is_chain(model):
+    chain = is_chain(model)
+    if not chain:
         import scipy.optimize  # noqa: F401  (0.7 s here: before the clock, not out of the search's)
     start = time.perf_counter()
     deadline = start + time_limit_s
@@ -265,7 +266,7 @@ def plan_for(
     notes = profile_notes(profiles)
     timed_out = False
     gaps: tuple[float, float] = (0.0, 0.0)  # proven: the objective's, its tie-break's
-    if is_chain(model):
+    if chain:
         best = solve_chain(model, goal, allowed)
     else:
         from nicoffload.planner.milp import solve_milp
@@ -315,18 +316,17 @@ def plan_for(
         elif second is None:
             missing = "no other placement of a shape the runtime runs"
         plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
-    return replace(plan, search=_search_record(model, gaps, start, time_limit_s))
+    return replace(plan, search=_search_record(chain, gaps, start, time_limit_s))
 
 
 def _search_record(
-    model: CostModel, gaps: tuple[float, float], start: float, time_limit_s: float
+    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float
 ) -> dict:
     """Plan.search: how the placement was found and what is proven of it."""
 
     def proven(gap: float) -> float | None:  # a gap of 1 or more bounds nothing
         return round(float(gap), 6) if gap < 1 else None
 
-    chain = is_chain(model)
     return {
         "method": "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)",
         "seconds": round(time.perf_counter() - start, 3),
