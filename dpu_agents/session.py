@@ -22,6 +22,7 @@ from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.stagebuild import Built
 from nicoffload.errors import ItemError, TransportError
+from nicoffload.runtime.batch import UNWRITTEN
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.transport import Sender
 
@@ -205,9 +206,15 @@ class Session:
         reason = detail = ""
         t0 = time.perf_counter()
         try:
-            b.stage.process(values, dests, ns, cnt)
+            written = b.stage.process(values, dests, ns, cnt)
+            for k, a in slot.arrays.items():
+                if k in values:  # else unstamped: the row is sent as failed (`_send`)
+                    if k not in written:
+                        a[row] = values[k]
+                    slot.stamps.wrote(k, row, row)
             for k in slot.ragged:
                 slot.ragged[k][row] = np.array(values[k], copy=True)
+                slot.stamps.wrote(k, row, row)
         except ItemError as exc:
             reason, detail = exc.reason, exc.detail
         except Exception as exc:  # a kernel bug fails the item, never the agent
@@ -240,6 +247,9 @@ class Session:
 
     def _send(self, batch: _Batch, n: int) -> None:
         slot = batch.slot
+        for row, sinks in slot.stamps.missing(n, 0).items():
+            if row not in batch.failed:  # a row no kernel wrote is never sent as a result
+                batch.failed[row] = (UNWRITTEN, f"the agent wrote no {', '.join(sinks)}")
         ok = np.ones(n, bool)
         ok[list(batch.failed)] = False
         tensors: dict[str, np.ndarray] = {}

@@ -244,7 +244,11 @@ def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> N
                         "batches": front.landing.copies,
                         "bytes": front.landing.bytes,
                     }
-        stats.failover = ex.failed_over
+        if ex.failed_over:
+            stats.failover = (
+                f"{ex.failed_over} ({ex.taken_back} items ran stage '{front.stage.name}' on the "
+                "host instead)"
+            )
     for plan, times in ex.step_times():
         cpu = {k: t.cpu_ms for k, t in times.items()}
         wall = sum(t.wall_ms for t in times.values())

@@ -12,15 +12,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nicoffload.graph import TensorSpec
+from nicoffload.runtime.batch import Stamps
 
 
 @dataclass
 class BatchSlot:
-    """Output arrays of one batch, shaped (max_size, *item_shape), plus per-row bookkeeping."""
+    """Output arrays of one batch, shaped (max_size, *item_shape), plus per-row bookkeeping:
+    `stamps` says which item wrote each row of each output (reset when the slot is taken)."""
 
     index: int
     arrays: dict[str, np.ndarray]
     ragged: dict[str, list[object]] = field(default_factory=dict)
+    stamps: Stamps = field(default_factory=lambda: Stamps((), 0))
 
     def row(self, r: int) -> dict[str, np.ndarray]:
         return {k: a[r] for k, a in self.arrays.items()}
@@ -36,10 +39,12 @@ class SlotRing:
                 k: np.zeros((batch, *s.shape), dtype=s.dtype) for k, s in specs.items() if s.static
             }
             ragged = {k: [None] * batch for k, s in specs.items() if not s.static}
-            self._free.put(BatchSlot(i, arrays, ragged))
+            self._free.put(BatchSlot(i, arrays, ragged, Stamps([*arrays, *ragged], batch)))
 
     def take(self, timeout: float | None = None) -> BatchSlot:
-        return self._free.get(timeout=timeout)
+        slot = self._free.get(timeout=timeout)
+        slot.stamps.reset()
+        return slot
 
     def give(self, slot: BatchSlot) -> None:
         self._free.put(slot)

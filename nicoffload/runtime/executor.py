@@ -25,48 +25,16 @@ import numpy as np
 from nicoffload.errors import AgentError, DeviceError, ItemError, SystemFailure
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.runtime.batch import Batch, ItemFailure, settle
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
 from nicoffload.runtime.stage import Stage, StepTime
 
+__all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
+
 Item = tuple[str, Mapping[str, Any]]  # (name, {input name: bytes or str})
 _END = object()
-
-
-@dataclass(frozen=True)
-class ItemFailure:
-    index: int
-    name: str
-    reason: str
-    detail: str
-
-
-@dataclass
-class Batch:
-    """A finished batch. Arrays are views into a reused slot: valid until the next batch is taken.
-    Outputs of a GPU stage are CUDA tensors (`numpy()` gives a copy with host arrays)."""
-
-    index: int
-    start: int  # index of the first item in the run
-    names: list[str]
-    outputs: dict[str, Any]  # static outputs: arrays (n, ...); ragged ones: lists
-    ok: np.ndarray
-    failures: list[ItemFailure]
-    latencies_s: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def numpy(self) -> Batch:
-        """The same batch with every output on the host (CUDA tensors copied, once)."""
-
-        def host(v: Any) -> Any:
-            if isinstance(v, list):
-                return [None if x is None else host(x) for x in v]
-            return v.cpu().numpy() if hasattr(v, "cpu") else v
-
-        return replace(self, outputs={k: host(v) for k, v in self.outputs.items()})
 
 
 @dataclass
@@ -80,6 +48,7 @@ class _Open:
     pending: int = 1  # the feeder's own hold until the batch is closed
     done_at: float = 0.0
     gpu: GpuRows | None = None  # the GPU stage's input rows, when the plan ends on the GPU
+    ok: np.ndarray | None = None  # set once every row is settled (`Executor._settle`)
 
 
 @dataclass
@@ -152,9 +121,16 @@ class Executor:
         self.gpu_refs = {n: r for n, r in self.out_refs.items() if r in on_gpu}
         self.out_refs = {n: r for n, r in self.out_refs.items() if r not in on_gpu}
         specs = {k: s for k, s in pipeline.output_specs().items() if k in self.out_refs}
+        # the static output each value key is written into in place (the first, when several
+        # outputs name one value: the others are copied from it)
+        self._in_place: dict[str, str] = {}
+        for n, ref in self.out_refs.items():
+            if specs[n].static:
+                self._in_place.setdefault(ref, n)
         # batches in the GPU stage still hold their slot: room for them too
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
-        self.failed_over: str | None = None
+        self.failed_over: str | None = None  # why the DPU stage's items went to the host
+        self.taken_back = 0  # how many items ran the DPU stage here instead
 
     def __enter__(self) -> Executor:
         return self
@@ -168,18 +144,29 @@ class Executor:
             self.gpu.close()
 
     def _process(self, task: _Task) -> None:
+        """Run one item through its route into its batch's rows, stamping each row written.
+
+        An output that no stage of the route computed in place (it came from the DPU agent, or
+        from a stage without a destination for it) is copied into its row from the values."""
         slot, row = task.batch.slot, task.row
-        dests = {ref: slot.arrays[n][row] for n, ref in self.out_refs.items() if n in slot.arrays}
+        dests = {ref: slot.arrays[n][row] for ref, n in self._in_place.items()}
         if self.gpu is not None and task.batch.gpu is not None:
             dests.update(self.gpu.dests(task.batch.gpu, row))
         values = dict(task.values)
+        written: set[str] = set()
         for stage in task.route:
-            stage.process(values, dests)
+            written.update(stage.process(values, dests))
         for name, ref in self.out_refs.items():
-            if name in slot.ragged:
+            if ref not in values:
+                continue  # left unstamped: the row fails as unwritten, never comes out as ok
+            if name in slot.arrays:
+                if ref not in written or self._in_place.get(ref) != name:
+                    slot.arrays[name][row] = values[ref]
+            else:
                 slot.ragged[name][row] = np.array(values[ref], copy=True)
+            slot.stamps.wrote(name, row, task.index)
         if self.gpu is not None and task.batch.gpu is not None:
-            self.gpu.collect(task.batch.gpu, row, values)
+            self.gpu.collect(task.batch.gpu, row, values, written, task.index)
 
     def stream(self, items: Iterable[Item]) -> Iterator[Batch]:
         """Process `items`; yield finished batches in order. A worker's crash is re-raised here."""
@@ -230,21 +217,29 @@ class Executor:
                 release()
                 finish(task.batch)
                 return
-            task.values, task.route, task.release = values, self.host, release
+            # the host stages read the DPU stage's outputs and the pipeline inputs it did not
+            # take (a text branch beside an image branch)
+            task.values, task.route, task.release = task.values | values, self.host, release
             work.put(task)
 
-        def take_back(why: str) -> None:
-            assert front is not None
-            tasks = front.take_back(why)
+        def on_host(tasks: list[_Task], why: str) -> None:
+            """Run `tasks`' DPU stage here instead: the agent died, drains, or skipped them."""
             self.failed_over = self.failed_over or why
+            self.taken_back += len(tasks)
             for task in tasks:
                 task.route = self.fallback
                 work.put(task)
 
+        def take_back(why: str) -> None:
+            assert front is not None
+            on_host(front.take_back(why), why)
+
         def receiver() -> None:
             assert front is not None
             try:
-                front.receive(lambda: admitted.is_set() and not front.pending, on_row, take_back)
+                front.receive(
+                    lambda: admitted.is_set() and not front.pending, on_row, take_back, on_host
+                )
             except BaseException as exc:
                 fail(exc)
 
@@ -259,13 +254,16 @@ class Executor:
             source.put(_END)
 
         def route(task: _Task) -> None:
-            if front is not None and front.alive:
+            if front is not None and front.accepting:
                 try:
                     front.submit(task)
                     return
                 except AgentError as exc:
                     take_back(str(exc))  # includes this task, recorded before the submit
                     return
+            if front is not None:
+                on_host([task], front.dead or front.refusing or "the agent is gone")
+                return
             task.route = self.fallback
             work.put(task)
 
@@ -342,6 +340,7 @@ class Executor:
                         return
                     b = ready.pop(next_index)
                 next_index += 1
+                self._settle(b)
                 yield b
 
         def to_gpu() -> Iterator[Mapping[str, Any]]:
@@ -349,7 +348,7 @@ class Executor:
             for b in ordered():
                 fed.append(b)
                 assert b.gpu is not None
-                yield self.gpu.batch_inputs(b.gpu, len(b.names), self._ok(b))
+                yield self.gpu.batch_inputs(b.gpu, len(b.names), b.ok)
 
         fed: deque[_Open] = deque()
         gpu_run: Any = None
@@ -384,11 +383,11 @@ class Executor:
                 t.join(timeout=5.0)
 
     @staticmethod
-    def _ok(b: _Open) -> np.ndarray:
-        ok = np.ones(len(b.names), dtype=bool)
-        for f in b.failures:
-            ok[f.index - b.start] = False
-        return ok
+    def _settle(b: _Open) -> None:
+        """Decide the batch's ok rows once its host work is done: a row that did not fail but
+        was not written into every sink by its own item fails as unwritten (`batch.settle`)."""
+        stamps = [b.slot.stamps] + ([b.gpu.stamps] if b.gpu is not None else [])
+        b.ok, b.failures = settle(b.start, b.names, b.failures, stamps)
 
     def _gpu_batch(self, b: _Open, gb: Any) -> Batch:
         """A batch after its GPU stage: the GPU's per-item failures join the host's."""
@@ -408,14 +407,18 @@ class Executor:
 
     def _to_batch(self, b: _Open) -> Batch:
         n = len(b.names)
-        ok = self._ok(b)
+        ok = b.ok
+        assert ok is not None  # settled in `ordered`
+        # a failed row never carries a partial or stale result (from an earlier batch)
+        for a in b.slot.arrays.values():
+            a[:n][~ok] = 0
+        for rows in b.slot.ragged.values():
+            for r in np.flatnonzero(~ok).tolist():
+                rows[r] = None
         outputs: dict[str, Any] = {k: a[:n] for k, a in b.slot.arrays.items()}
         outputs.update({k: list(v[:n]) for k, v in b.slot.ragged.items()})
-        for a in b.slot.arrays.values():
-            a[:n][~ok] = 0  # a failed row never carries a stale result from an earlier batch
         lat = b.done_at - np.array(b.admitted)
-        failures = sorted(b.failures, key=lambda f: f.index)
-        return Batch(b.index, b.start, list(b.names), outputs, ok, failures, lat)
+        return Batch(b.index, b.start, list(b.names), outputs, ok, list(b.failures), lat)
 
     def step_times(self) -> list[tuple[StagePlan, dict[str, StepTime]]]:
         """What each host stage's steps cost per item (see `StepTime`); the host's copy of a

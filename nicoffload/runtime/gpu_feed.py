@@ -17,6 +17,7 @@ import numpy as np
 
 from nicoffload.graph import Pipeline, TensorSpec
 from nicoffload.planner.plan import StagePlan
+from nicoffload.runtime.batch import Stamps
 
 
 def spec_of_key(pipeline: Pipeline, key: str) -> TensorSpec:
@@ -29,10 +30,12 @@ def spec_of_key(pipeline: Pipeline, key: str) -> TensorSpec:
 
 @dataclass
 class GpuRows:
-    """One batch's inputs to the GPU stage as the host fills them, row by row."""
+    """One batch's inputs to the GPU stage as the host fills them, row by row; `stamps` says
+    which item wrote each row of each input (a row not written by its item is never ok)."""
 
     pinned: Any  # HostBatch of the pinned key, or None
     values: dict[str, list[Any]]
+    stamps: Stamps
 
 
 class GpuFeed:
@@ -71,17 +74,29 @@ class GpuFeed:
         if self.pinned is not None:
             spec = self.specs[self.pinned]
             hb = self.stage.host_batch([tuple(spec.shape)] * size, np.dtype(spec.dtype))
-        return GpuRows(hb, {k: [None] * size for k in self.inputs if k != self.pinned})
+        values = {k: [None] * size for k in self.inputs if k != self.pinned}
+        return GpuRows(hb, values, Stamps(self.inputs, size))
 
     def dests(self, rows: GpuRows, row: int) -> dict[str, Any]:
         """Where the host stages write row `row` of the crossing tensor in place."""
         return {} if rows.pinned is None else {self.pinned: rows.pinned.arrays[row]}
 
-    def collect(self, rows: GpuRows, row: int, values: Mapping[str, Any]) -> None:
-        """Keep row `row`'s collected inputs (copied out of the kernels' per-thread scratch)."""
-        for k in rows.values:
+    def collect(
+        self, rows: GpuRows, row: int, values: Mapping[str, Any], written: set[str], index: int
+    ) -> None:
+        """Keep row `row`'s inputs for item `index` and stamp them: the collected ones copied
+        out of the kernels' per-thread scratch, the pinned one copied into its row unless a
+        host stage wrote it there in place (`written`)."""
+        for k in self.inputs:
+            if k not in values:
+                continue  # unstamped: the row fails as unwritten
             v = values[k]
-            rows.values[k][row] = np.array(v, copy=True) if isinstance(v, np.ndarray) else v
+            if k == self.pinned:
+                if k not in written:
+                    rows.pinned.arrays[row][...] = v
+            else:
+                rows.values[k][row] = np.array(v, copy=True) if isinstance(v, np.ndarray) else v
+            rows.stamps.wrote(k, row, index)
 
     def release(self, rows: GpuRows) -> None:
         """Give back the pinned slot of a batch that will never be fed."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nicoffload.errors import AgentError, DeviceError, TransportError
+from nicoffload.errors import AgentError, DeviceError, Mark, TransportError, UserError
 from nicoffload.graph import Pipeline, Ref
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.topology import Device
@@ -28,6 +28,7 @@ from nicoffload.transport.frame import MAX_PAYLOAD
 from nicoffload.transport.slots import ALIGN
 
 POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
+DRAINING = "agent_draining"  # the reason of a row the agent refused because it shuts down
 
 
 @dataclass
@@ -78,14 +79,28 @@ class RemoteFront:
         self.landing = landing  # a GpuLanding over `receiver`, or None: rows stay in host memory
         self.destination = destination
         self.keys = keys  # the value keys the host needs from the stage
-        self.pending: dict[int, Any] = {}
+        self.pending: dict[int, Any] = {}  # by item index, in submission order
         self.lock = threading.Lock()
         self.dead: str | None = None
+        self.refusing: str | None = None  # why the agent takes no new items (it drains)
         self.transfer = TransferStats()
+
+    @classmethod
+    def gone(cls, stage: StagePlan, why: str) -> RemoteFront:
+        """A front whose agent died before it served anything (while it started or loaded
+        the stage): every item runs the stage on the host, and the run says why."""
+        front = cls(stage, None, None, [])
+        front.dead = why
+        return front
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self.client.alive
+        return self.dead is None and self.client is not None and self.client.alive
+
+    @property
+    def accepting(self) -> bool:
+        """New items may go to the agent (alive, and not draining)."""
+        return self.alive and self.refusing is None
 
     def submit(self, task: Any) -> None:
         """Record then submit; AgentError leaves the task pending for `take_back`."""
@@ -108,8 +123,11 @@ class RemoteFront:
             [Any, dict[str, Any] | None, tuple[str, str] | None, Callable[[], None]], None
         ],
         on_death: Callable[[str], None],
+        on_host: Callable[[list[Any], str], None],
     ) -> None:
-        """Loop until `finished()`: claim each delivered row and hand it to `on_row`."""
+        """Loop until `finished()`: claim each delivered row and hand it to `on_row`; items the
+        agent will not deliver (it refused them while draining, or skipped them) go to
+        `on_host`, and every unclaimed one to `on_death` once the agent is gone."""
         while not finished():
             if not self.alive:
                 on_death(self.dead or "the agent stopped answering")
@@ -124,9 +142,9 @@ class RemoteFront:
             if d is None:
                 on_death("the agent closed its transfer")
                 return
-            self._take(d, on_row)
+            self._take(d, on_row, on_host)
 
-    def _take(self, d: Any, on_row) -> None:
+    def _take(self, d: Any, on_row, on_host) -> None:
         """Claim a delivery's rows (a `Delivery`, or a `GpuDelivery` from the landing)."""
         now = time.time_ns()
         t = self.transfer
@@ -136,12 +154,22 @@ class RemoteFront:
             t.flight_ns += max(0, now - int(d.meta["sent_ns"]))
             t.timed += 1
         failed = {int(k): v for k, v in d.meta.get("failed", {}).items()}
-        claimed = []
+        ids = d.meta["request_ids"]
+        claimed, skipped = [], []
         with self.lock:
-            for row, rid in enumerate(d.meta["request_ids"]):
+            for row, rid in enumerate(ids):
                 task = self.pending.pop(rid - 1, None)
                 if task is not None:  # None: a duplicate, or an item already taken back
                     claimed.append((row, rid, task))
+            # The agent forwards in the order it admits, and items are submitted in order on
+            # one connection: a pending item older than the newest delivered one was skipped.
+            last = max(ids, default=0)
+            for i in list(self.pending):
+                if i + 1 >= last:
+                    break
+                skipped.append(self.pending.pop(i))
+        if skipped:
+            on_host(skipped, f"the agent skipped {len(skipped)} items without a result")
         t.items += len(claimed)
         if self.landing is not None:
             # the landing gives the slot back itself once its copy is done; the rows are views
@@ -153,6 +181,12 @@ class RemoteFront:
             if not claimed:
                 self.receiver.release(d)
         for row, rid, task in claimed:
+            if rid in failed and failed[rid][0] == DRAINING:
+                # the agent is shutting down: it takes no more, and this item runs here
+                self.refusing = self.refusing or f"the agent is draining: {failed[rid][1]}"
+                release()
+                on_host([task], self.refusing)
+                continue
             if rid in failed:
                 on_row(task, None, tuple(failed[rid]), release)
                 continue
@@ -196,9 +230,6 @@ def open_front(
     that GPU's memory as they arrive (`GpuLanding`): over rdma the receiver's ring is GPU memory
     itself where GPUDirect is possible (`rdma://...?gpu=N`), otherwise, and over shm and tcp,
     the receiver's host ring is page-locked and each batch copied to the GPU asynchronously."""
-    from dpu_agents import auth
-    from dpu_agents.local import LocalAgent
-    from nicoffload.agent_client import AgentClient
     from nicoffload.transport import listen
 
     keys = leaving(pipeline, stage)
@@ -236,23 +267,11 @@ def open_front(
                 f"{device.id}: the plan moves stage '{stage.name}' outputs over rdma, but {exc}"
             ) from exc
     with contextlib.ExitStack() as stack:
-        if device.emulated:
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
-            token_file = folder / "agent.token"
-            auth.write_token(token_file)
-            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores))
-            address = agent.address
-            stack.enter_context(cores_apart(agent.cores))
-        else:
-            if token_file is None:
-                raise DeviceError(
-                    f"{device.id}: the agent at {device.address} needs its token: pass --token-file"
-                )
-            address = device.address or ""
         try:
-            client = stack.enter_context(AgentClient(address, auth.read_token(token_file)))
-        except (AgentError, OSError) as exc:
-            raise DeviceError(f"{device.id}: no DPU agent answers at {address}: {exc}") from exc
+            client = stack.enter_context(_reach(stack, device, token_file))
+        except _Died as exc:  # the local agent died while it started
+            yield RemoteFront.gone(stage, f"the local agent died while it started: {exc}")
+            return
         on_gpu = "" if gpu is None else f"&gpu={gpu.device.index or 0}"
         where = {
             "shm": f"shm://nicoffload-{secrets.token_hex(6)}",
@@ -268,15 +287,69 @@ def open_front(
                 gpudirect.PINNED, gpudirect.host_ring_reason(transport)
             )
             landing = stack.enter_context(GpuLanding(rx, gpu))  # closed before the receiver
-        client.load(
-            Path(pipeline.path).read_text(encoding="utf-8"),
-            plan,
-            stage.name,
-            rx.address,
-            batch_max_size=batch,
-            batch_max_wait_ms=pipeline.batch_max_wait_ms,
-        )
+        try:
+            client.load(
+                Path(pipeline.path).read_text(encoding="utf-8"),
+                plan,
+                stage.name,
+                rx.address,
+                batch_max_size=batch,
+                batch_max_wait_ms=pipeline.batch_max_wait_ms,
+            )
+        except AgentError as exc:
+            if client.alive:  # the agent answered: it refuses the stage
+                raise DeviceError(
+                    f"{device.id}: the agent did not load stage '{stage.name}': {exc}"
+                ) from exc
+            yield RemoteFront.gone(stage, f"the agent died while it loaded the stage: {exc}")
+            return
         yield RemoteFront(stage, client, rx, keys, landing, destination)
+
+
+class _Died(Exception):
+    """The emulated DPU's agent died before it could be reached."""
+
+
+@contextlib.contextmanager
+def _reach(stack: contextlib.ExitStack, device: Device, token_file: str | Path | None):
+    """An authenticated AgentClient to `device`'s agent; an emulated one is started first.
+
+    A wrong or missing token is the user's mistake (UserError); a real agent that does not
+    answer is a DeviceError; an emulated one that dies on the way is `_Died` (failover)."""
+    from dpu_agents import auth
+    from dpu_agents.local import LocalAgent
+    from nicoffload.agent_client import AgentClient
+
+    if device.emulated:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
+        token_file = folder / "agent.token"
+        auth.write_token(token_file)
+        try:
+            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores))
+        except AgentError as exc:
+            raise _Died(str(exc)) from exc
+        address = agent.address
+        stack.enter_context(cores_apart(agent.cores))
+    else:
+        if token_file is None:
+            raise UserError(
+                f"{device.id}: the agent at {device.address} needs its token: pass --token-file"
+            )
+        address = device.address or ""
+    token = auth.read_token(token_file)  # UserError: missing, unreadable, too open, too short
+    try:
+        client = AgentClient(address, token)
+    except (AgentError, OSError) as exc:
+        if device.emulated:
+            raise _Died(str(exc)) from exc
+        if "authentication failed" in str(exc):
+            raise UserError(
+                f"the agent of {device.id} at {address} refused this token: {exc}",
+                Mark(str(token_file), 1, 1),
+            ) from None
+        raise DeviceError(f"{device.id}: cannot reach the DPU agent at {address}: {exc}") from exc
+    with client:
+        yield client
 
 
 @contextlib.contextmanager

@@ -126,8 +126,9 @@ class Stage:
         dests: Mapping[str, Any],
         step_ns: list[int] | None = None,
         step_n: list[int] | None = None,
-    ) -> None:
+    ) -> list[str]:
         """Run every step on one item; outputs with a destination are written straight into it.
+        Returns the keys of `dests` it wrote (the caller stamps those rows as written).
 
         `values` maps value keys to inputs and receives the produced values. Each call's time
         is added to `times()`, and also to `step_ns[i]` (wall ns) and `step_n[i]` (calls) when
@@ -135,6 +136,7 @@ class Stage:
         """
         n = len(self.steps)
         cpu, wall, calls = [0] * n, [0] * n, [0] * n
+        written: list[str] = []
         try:
             for i, step in enumerate(self.steps):
                 args = [values[k] for k in step.reads]
@@ -150,8 +152,10 @@ class Stage:
                     calls[i] = 1
                 results = (result,) if len(step.writes) == 1 else result
                 for key, value, target in zip(step.writes, results, targets, strict=True):
-                    if target is not None and not direct:
-                        target[...] = value
+                    if target is not None:
+                        if value is not target:  # not direct, or a kernel that ignored `out`
+                            target[...] = value
+                        written.append(key)
                     values[key] = value
         finally:
             with self._lock:
@@ -163,3 +167,4 @@ class Stage:
                 for i in range(n):
                     step_ns[i] += wall[i]
                     step_n[i] += calls[i]
+        return written
