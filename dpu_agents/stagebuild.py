@@ -4,13 +4,14 @@ and bound to the DPU kernels, and the values that leave the stage (what gets for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpu_agents.protocol import OutputMeta
-from nicoffload.errors import AgentError, NicoffloadError
+from nicoffload.errors import AgentError, NicoffloadError, UserError
 from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
 from nicoffload.p4.ids import pipeline_id, stage_ids
 from nicoffload.planner.plan import Plan
@@ -20,6 +21,7 @@ from nicoffload.transport.frame import DType
 
 MAX_BATCH = 4096
 MAX_WAIT_MS = 10_000.0
+LOADED_FILE = "<pipeline of the LOAD>"  # what the client's errors name instead of a temp path
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,17 @@ class Built:
 
 def pipeline_from_text(text: str) -> Pipeline:
     """Build a Pipeline from YAML text; relative file parameters cannot resolve on the agent
-    (shipped names like `bert-base-uncased` do)."""
+    (shipped names like `bert-base-uncased` do). Errors point into the text as LOADED_FILE."""
     with tempfile.TemporaryDirectory(prefix="nicoffload-agent-") as tmp:
         path = Path(tmp) / "pipeline.yaml"
         path.write_text(text, encoding="utf-8")
-        return load_pipeline(path)
+        try:
+            return load_pipeline(path)
+        except UserError as exc:
+            if exc.mark is None or exc.mark.file != str(path):
+                raise
+            mark = dataclasses.replace(exc.mark, file=LOADED_FILE)
+            raise type(exc)(exc.message, mark) from None
 
 
 def build_stage(
