@@ -226,10 +226,12 @@ def build_pipeline(spec: PipelineSpec) -> Pipeline:
         try:
             params[n.name] = opdef.bind(n.params, spec.directory)
         except ops.ParamError as exc:
+            # an unknown name is wrong at its key; any other mistake at the value (whose
+            # message may say "unknown" too: a tokenizer file's parser does)
             where = (
-                n.value_marks.get(exc.param)
-                if "unknown" not in str(exc)
-                else n.param_marks.get(exc.param)
+                n.param_marks.get(exc.param)
+                if str(exc).startswith("unknown parameter")
+                else n.value_marks.get(exc.param)
             )
             raise SpecError(f"node '{n.name}': {exc}", where or n.mark) from None
         if len(n.inputs) != opdef.n_inputs:

@@ -7,17 +7,46 @@ The vocabulary is a Hugging Face `tokenizers` file (`tokenizer.json`), named in 
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 
 from nicoffload.errors import ItemError
 from nicoffload.graph import TensorSpec
-from nicoffload.ops import Param, WiringError, kernel, op
+from nicoffload.ops import Param, ParamError, WiringError, kernel, op
+
+# Characters no vocabulary holds (Unicode private use): a tokenizer that cannot encode them has
+# no unknown token and would fail every item with a word outside its vocabulary.
+_PROBE = "nicoffload \U000f0000\U000f0001"
 
 
 def _work(params, in_specs, out_specs) -> float:
     return float(params["max_length"])
+
+
+def _check(params: dict) -> None:
+    """Read the tokenizer when the pipeline is loaded, so `validate` and `plan` refuse a file
+    that `run` could not use: not a tokenizer.json, or one that fails on an unknown word."""
+    path = params["tokenizer"]
+    try:
+        tok = load_tokenizer(params)
+    except Exception as exc:  # tokenizers raises a bare Exception with its parser's message
+        raise ParamError(
+            "tokenizer",
+            f"parameter 'tokenizer': '{path}' is not a Hugging Face tokenizer file "
+            f"(tokenizer.json): {_why_not(path, exc)}",
+        ) from None
+    try:
+        tok.encode(_PROBE, add_special_tokens=params["add_special_tokens"])
+    except Exception as exc:
+        raise ParamError(
+            "tokenizer",
+            f"parameter 'tokenizer': '{path}' fails on a word outside its vocabulary ({exc}); "
+            "give its model an unknown token that its vocabulary holds "
+            '(e.g. "unk_token": "[UNK]" with "[UNK]" in "vocab")',
+        ) from None
 
 
 @op(
@@ -39,6 +68,7 @@ def _work(params, in_specs, out_specs) -> float:
     outputs=("input_ids", "attention_mask"),
     work=_work,
     work_unit="tokens",
+    check=_check,
 )
 def tokenize(params, in_specs):
     """Tokenize text with a WordPiece/BPE/Unigram tokenizer into fixed-length id and mask rows."""
@@ -47,6 +77,24 @@ def tokenize(params, in_specs):
         raise WiringError(f"tokenize reads text, got {src}")
     spec = TensorSpec(params["dtype"], (params["max_length"],))
     return {"input_ids": spec, "attention_mask": spec}
+
+
+def _why_not(path: str, exc: Exception) -> str:
+    """What is wrong with a file `tokenizers` refused, in the user's terms (its own message
+    speaks of its parser's structures: "expected `,` or `}` at line 1 column 9")."""
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except UnicodeDecodeError:
+        return "it is not text (a binary file?)"
+    except ValueError as err:
+        return f"it is not JSON ({err})"
+    except OSError as err:
+        return f"cannot read it ({err.strerror or err})"
+    if not isinstance(doc, dict) or "model" not in doc:
+        return (
+            "JSON without a 'model' (a tokenizer.json has 'model', 'normalizer', 'pre_tokenizer')"
+        )
+    return str(exc)
 
 
 def load_tokenizer(params: dict):
@@ -87,7 +135,10 @@ def tokenize_cpu(nodes, consumers):
                 text = bytes(text).decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ItemError("bad_text", f"not UTF-8: {exc}") from None
-        enc = tok.encode(text, add_special_tokens=special)
+        try:
+            enc = tok.encode(text, add_special_tokens=special)
+        except Exception as exc:  # the load-time check makes this rare: one text, not the run
+            raise ItemError("tokenize_failed", str(exc)) from None
         ids, mask = out if out is not None else (np.empty(n, dtype), np.empty(n, dtype))
         ids[:] = enc.ids
         mask[:] = enc.attention_mask

@@ -66,3 +66,17 @@ def test_a_missing_file_is_a_user_error():
     result = CliRunner().invoke(build_app(), ["validate", "nowhere.yaml"])
     assert result.exit_code == 2
     assert "nowhere.yaml:1:1: cannot read the file" in result.output
+
+
+TOKENIZER_MISTAKES = [p for p in BAD if p.stem.startswith("tokenizer_")]
+
+
+@pytest.mark.parametrize("command", [["validate"], ["plan"], ["run", "--sample", "1"]])
+@pytest.mark.parametrize("path", TOKENIZER_MISTAKES, ids=[p.stem for p in TOKENIZER_MISTAKES])
+def test_a_tokenizer_run_could_not_use_is_refused_by_validate_plan_and_run(path, command):
+    line, col, fragment = expectation(path)
+    result = CliRunner().invoke(build_app(), [command[0], str(path), *command[1:]])
+    assert result.exit_code == 2, result.output
+    assert f"{path}:{line}:{col}: node 'tok': parameter 'tokenizer': " in result.output
+    assert fragment in result.output
+    assert "Traceback" not in result.output
