@@ -220,12 +220,33 @@ KernelFn = Callable[..., Any]
 
 
 @dataclass(frozen=True)
+class PipelineOutput:
+    """Stands among a kernel's `consumers` for a pipeline output that its chain's result also
+    is: that reader takes the value as the op's TensorSpec says (a decoder then decodes at
+    full size, not DCT-scaled for the resizes that read it too). `PIPELINE_OUTPUT` is the one."""
+
+    op: str = "pipeline output"
+    name: str = "<pipeline output>"
+
+
+PIPELINE_OUTPUT = PipelineOutput()
+
+
+def kernel_consumers(pipeline: Any, name: str) -> tuple[Any, ...]:
+    """What a kernel whose chain ends at node `name` is built with as `consumers`: the nodes
+    that read its output, and PIPELINE_OUTPUT when that output is a pipeline output too."""
+    outputs = {r.source for r in pipeline.outputs.values() if not r.is_input}
+    return (*pipeline.consumers(name), *((PIPELINE_OUTPUT,) if name in outputs else ()))
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One implementation of a chain of ops (usually one) on one device.
 
     `build(nodes, consumers)` runs once at plan time (choices, tables, JIT warm-up) and returns
     `fn(*inputs, out=None)` for one item. `nodes` is the chain this kernel covers; `consumers`
-    are the nodes that read the chain's output (a decoder looks at them to decode smaller).
+    are the nodes that read the chain's output, with PIPELINE_OUTPUT when it is a pipeline
+    output too (`kernel_consumers`; a decoder looks at them to decode smaller).
     `fn` returns one array, or a tuple in the op's output order for several outputs. When the
     runtime passes `out` (same structure; static shapes only), `fn` writes into it and returns
     it. A returned array the kernel allocated itself may be a per-thread scratch buffer, valid

@@ -2,7 +2,7 @@
 
 Semantics here; the CPU/DPU kernel below them: libjpeg-turbo through simplejpeg for JPEG, into
 per-thread buffers, decoding smaller in the DCT domain when the consumers are antialiased
-resizes that leave room for it (`dct_scale`); Pillow for PNG. The format comes from the magic
+resizes that leave room for it (`decoded_size`, which the planner prices with too); Pillow for PNG. The format comes from the magic
 bytes, never a file name. Every failure is an ItemError with a stable reason: empty, truncated,
 corrupt, unsupported_format, too_large (from the header, before any pixel is decoded).
 """
@@ -10,6 +10,7 @@ corrupt, unsupported_format, too_large (from the header, before any pixel is dec
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -115,7 +116,7 @@ def dct_scale(h: int, w: int, target: tuple[int, int], margin: float = DCT_MARGI
     return 8
 
 
-def scaling_rule(params: dict, consumers) -> list[dict] | None:
+def scaling_rule(params: Mapping, consumers: Sequence) -> list[dict] | None:
     """The resize params DCT scaling may serve, or None when the decode must be full size.
 
     Only when every consumer is an antialiased resize: anything else may need full detail.
@@ -125,6 +126,26 @@ def scaling_rule(params: dict, consumers) -> list[dict] | None:
     if any(c.op != "resize" or not c.params["antialias"] for c in consumers):
         return None
     return [c.params for c in consumers]
+
+
+# The device kinds whose decode_image kernel is the one below (DCT-scaled); the GPU's nvJPEG
+# decoder (gpu_decode.py) always decodes at full size.
+DCT_SCALING_KINDS = frozenset({"cpu", "dpu"})
+
+
+def decoded_size(params: Mapping, consumers: Sequence, h: int, w: int) -> tuple[int, int]:
+    """The (height, width) this file's kernel decodes an h x w JPEG to, before its `consumers`
+    (Nodes: op, params) read it: DCT-scaled by `dct_scale` to the largest target of the resizes
+    when `scaling_rule` allows, else (h, w). The one place this is decided: the kernel asks it
+    per image, the planner's cost model at the typical size, so the two cannot disagree."""
+    from nicoffload.ops.resize import output_size
+
+    rule = scaling_rule(params, consumers)
+    if rule is None:
+        return h, w
+    targets = [output_size(r, h, w) for r in rule]
+    m = dct_scale(h, w, (max(t[0] for t in targets), max(t[1] for t in targets)))
+    return h * m // 8, w * m // 8  # exact: dct_scale only picks exact scales
 
 
 def _error_reason(message: str) -> str:
@@ -196,13 +217,12 @@ def decode_image_cpu(nodes, consumers):
     import simplejpeg
 
     from nicoffload.ops._imgkern import Scratch, cmyk_convert
-    from nicoffload.ops.resize import output_size
 
     (node,) = nodes
     p = node.params
     color, max_pixels, fast = p["color"], p["max_pixels"], p["fast"]
     channels = 3 if color == "rgb" else 1
-    rule = scaling_rule(p, consumers)
+    consumers = tuple(consumers)
     scratch = Scratch()
 
     def fn(data, out: np.ndarray | None = None) -> np.ndarray:
@@ -227,11 +247,7 @@ def decode_image_cpu(nodes, consumers):
             raise ItemError(_header_reason(data), f"jpeg header: {exc}") from None
         if h * w > max_pixels:
             raise ItemError("too_large", f"{w}x{h} pixels is more than max_pixels={max_pixels}")
-        m = 8
-        if rule is not None:
-            targets = [output_size(r, h, w) for r in rule]
-            m = dct_scale(h, w, (max(t[0] for t in targets), max(t[1] for t in targets)))
-        sh, sw = h * m // 8, w * m // 8  # exact: dct_scale only picks exact scales
+        sh, sw = decoded_size(p, consumers, h, w)
         cmyk = space in ("CMYK", "YCCK")
         shape = (sh, sw, 4 if cmyk else channels)
         if out is not None and out.shape == shape and out.flags.c_contiguous and not cmyk:

@@ -1,8 +1,10 @@
 """The cost model: a pipeline on a topology with profiles, reduced to arrays every solver shares.
 
 Node v on device d costs `a + b * work(v)` core-ms per item (work from the TensorSpecs the
-runtime will really see: a decoder followed by a resize decodes smaller, in the DCT domain). A
-fusable chain the runtime runs as one kernel costs that kernel's time instead. A tensor crossing
+runtime will really see: a CPU/DPU decoder followed by antialiased resizes with room for it
+decodes smaller, in the DCT domain, as `ops.decode.decoded_size` decides for its kernel too; a
+GPU decoder decodes at full size and is priced so, while the one size each tensor has here is
+the CPU/DPU decoder's). A fusable chain the runtime runs as one kernel costs that kernel's time instead. A tensor crossing
 devices loads each hop of its route: `bytes / bandwidth` on the link, and the transport's CPU time
 per byte on each CPU endpoint. Pure functions of their inputs: no I/O, no clock.
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
+from nicoffload.ops import kernel_consumers
+from nicoffload.ops.decode import DCT_SCALING_KINDS, decoded_size
 from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
@@ -106,25 +110,16 @@ def _with_typical(spec: TensorSpec, hw: tuple[int, int]) -> TensorSpec:
     return replace(spec, shape=dims + tuple(spec.shape[2:]))
 
 
-def dct_decoded_hw(node: Node, consumers: Iterable[Node]) -> tuple[int, int] | None:
-    """The size a JPEG decoder really produces when every consumer is a resize: libjpeg-turbo
-    scales by M/8 in the DCT domain, to the smallest size that still covers each resize's target.
-    """
-    from nicoffload.ops.resize import output_size
-
-    consumers = list(consumers)
-    if node.op != "decode_image" or not node.params.get("dct_scaling", True) or not consumers:
-        return None
-    if any(c.op != "resize" for c in consumers):
+def dct_decoded_hw(node: Node, consumers: Iterable) -> tuple[int, int] | None:
+    """The typical size a CPU/DPU decoder really produces when it decodes smaller in the DCT
+    domain, or None when it decodes at full size. Decided by `ops.decode.decoded_size`, the
+    function its kernel calls per image, from the consumers the kernel is built with
+    (`ops.kernel_consumers`); a PNG (Pillow) is always decoded at full size."""
+    if node.op != "decode_image" or node.in_specs[0].hint("format") == "png":
         return None
     h, w = node.out.typical_shape[:2]
-    need = [output_size(c.params, h, w) for c in consumers]
-    need_h, need_w = max(n[0] for n in need), max(n[1] for n in need)
-    for m in range(1, 8):
-        sh, sw = math.ceil(h * m / 8), math.ceil(w * m / 8)
-        if sh >= need_h and sw >= need_w:
-            return sh, sw
-    return None
+    hw = decoded_size(node.params, tuple(consumers), h, w)
+    return None if hw == (h, w) else hw
 
 
 def effective_specs(
@@ -138,7 +133,7 @@ def effective_specs(
             for r, spec in zip(node.inputs, node.in_specs, strict=True)
         )
         outs = dict(node.out_specs)
-        hw = dct_decoded_hw(node, pipeline.consumers(node.name))
+        hw = dct_decoded_hw(node, kernel_consumers(pipeline, node.name))
         if hw is not None:
             outs = {k: _with_typical(v, hw) for k, v in outs.items()}
         out[node.name] = (ins, outs)
@@ -148,6 +143,17 @@ def effective_specs(
 def effective_work(pipeline: Pipeline) -> dict[str, float]:
     specs = effective_specs(pipeline)
     return {n.name: float(n.opdef().work(n.params, *specs[n.name])) for n in pipeline.nodes}
+
+
+def full_size_work(pipeline: Pipeline) -> dict[str, float]:
+    """The work of each decoder that DCT-scales (`dct_decoded_hw`) when it decodes at full
+    size instead, as its kernels on kinds outside `ops.decode.DCT_SCALING_KINDS` do."""
+    specs = effective_specs(pipeline)
+    return {
+        n.name: float(n.opdef().work(n.params, specs[n.name][0], n.out_specs))
+        for n in pipeline.nodes
+        if dct_decoded_hw(n, kernel_consumers(pipeline, n.name)) is not None
+    }
 
 
 def chain_work(pipeline: Pipeline, names: Iterable[str]) -> float:
@@ -253,6 +259,7 @@ def build_model(
     work_by_name = effective_work(pipeline)
     names = [n.name for n in pipeline.nodes]
     work = np.array([work_by_name[n] for n in names])
+    full = full_size_work(pipeline)
     cost = np.full((len(names), D), np.inf)
     why: dict[tuple[int, int], str] = {}
     for v, node in enumerate(pipeline.nodes):
@@ -265,7 +272,8 @@ def build_model(
             elif entry is None:
                 why[v, d] = f"the profile of '{dev.id}' has no entry for '{node.op}'"
             else:
-                cost[v, d] = max(0.0, entry.ms(work[v]))
+                scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
+                cost[v, d] = max(0.0, entry.ms(work[v] if scaled else full[node.name]))
     groups = []
     for kind in sorted({dev.kind for dev in topology.devices}):
         for window in fusion_windows(pipeline, catalog.fused.get(kind, ())):

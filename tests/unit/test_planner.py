@@ -49,13 +49,19 @@ def _topology(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_a_decode_followed_by_a_resize_is_costed_at_the_size_it_really_decodes(resnet) -> None:
-    specs = effective_specs(resnet)
-    assert specs["decode"][1]["out"].typical_shape == (282, 375, 3)  # 3/8... 6/8 of 375x500
-    assert specs["resize"][0][0].typical_shape == (282, 375, 3)
+def test_a_decode_followed_by_a_resize_is_costed_at_the_size_it_really_decodes(tmp_path) -> None:
+    """A 2000x3000 photo for resnet50's 256: the kernel decodes it at 1/4 (1000x1500 leaves
+    the resize 3x to shrink); tests/unit/test_dct_decoded_size.py checks against the kernel."""
+    text = (ROOT / "pipelines" / "resnet50.yaml").read_text()
+    path = tmp_path / "photo.yaml"
+    path.write_text(text.replace("height: 375, width: 500", "height: 2000, width: 3000"))
+    photo = load_pipeline(path)
+    specs = effective_specs(photo)
+    assert specs["decode"][1]["out"].typical_shape == (1000, 1500, 3)
+    assert specs["resize"][0][0].typical_shape == (1000, 1500, 3)
     topo = load_topology(TOPOLOGIES / "bluefield3-h100.yaml")
-    model = build_model(resnet, topo, resolve_profiles(topo), CPU_AND_DPU)
-    assert {r.label: r.nbytes for r in model.refs}["decode"] == 282 * 375 * 3
+    model = build_model(photo, topo, resolve_profiles(topo), CPU_AND_DPU)
+    assert {r.label: r.nbytes for r in model.refs}["decode"] == 1000 * 1500 * 3
 
 
 def test_a_stage_of_a_fused_chain_is_priced_as_the_fused_kernel(resnet) -> None:
