@@ -35,8 +35,12 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int, exc: BaseException | None = None) -> None:
+    """One line for the error, then one per note added to it on the way out (what was left
+    as it was: `run --output`'s folder)."""
     typer.echo(f"nicoffload: {message}", err=True)
+    for note in getattr(exc, "__notes__", ()):
+        typer.echo(f"nicoffload: {note}", err=True)
     raise typer.Exit(code)
 
 
@@ -49,9 +53,9 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except NicoffloadError as exc:
             prefix = "error" if exc.exit_code == 2 else "failure"
-            fail(f"{prefix}: {exc}", exc.exit_code)
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
+            fail(f"{prefix}: {exc}", exc.exit_code, exc)
+        except KeyboardInterrupt as exc:
+            fail("interrupted", 130, exc)
         except BrokenPipeError:
             raise typer.Exit(0) from None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import typer
@@ -59,6 +60,13 @@ def summary_table(stats: RunStats) -> Table:
     return t
 
 
+def report(stats: RunStats, json_out: bool) -> None:
+    if json_out:
+        emit_json(stats.to_json())
+    else:
+        Console().print(summary_table(stats))
+
+
 @app.command()
 @handle_errors
 def run(
@@ -70,7 +78,9 @@ def run(
         None, "--sample", min=1, help="generate N realistic sample items instead"
     ),
     output: Path | None = typer.Option(
-        None, "--output", help="write outputs as .npy files + items.json here"
+        None,
+        "--output",
+        help="write outputs as .npy files + items.json here; replaced as a whole on success only",
     ),
     plan: Path | None = typer.Option(None, "--plan", help="a plan from `nicoffload plan --output`"),
     topology: Path | None = typer.Option(
@@ -103,7 +113,6 @@ def run(
         count = len(items)
     else:
         count, items = dir_items(pl, input_dir)
-    writer = OutputWriter(output, pl, count) if output else None
     stats = RunStats()
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -114,20 +123,15 @@ def run(
         transient=True,
         disable=not err.is_terminal,
     )
-    with progress:
+    writer = OutputWriter(output, pl, count) if output else None
+    with writer or contextlib.nullcontext(), progress:
         task = progress.add_task(pl.name, total=count)
         for batch in stream(prep, items, stats, workers=workers):
             if writer:
                 writer.write(batch.numpy())  # CUDA outputs copied to the host here only
             progress.advance(task, len(batch))
-    doc = stats.to_json()
-    if writer:
-        writer.close(doc)
-    if json_out:
-        emit_json(doc)
-    else:
-        Console().print(summary_table(stats))
-        if output:
-            err.print(
-                f"outputs written to {output}/ (one .npy per output, items.json, summary.json)"
-            )
+        if writer:
+            writer.commit(stats.to_json())
+    report(stats, json_out)
+    if output and not json_out:
+        err.print(f"outputs written to {output}/ (one .npy per output, items.json, summary.json)")

@@ -5,9 +5,50 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import simplejpeg
 from typer.testing import CliRunner
 
 from nicoffload.cli import build_app
+
+# Small pipelines pinned to the host CPU: no DPU agent starts, and a run takes a fraction of a second.
+TEXT_PIPELINE = """\
+name: tiny-text
+inputs: {text: {kind: text}}
+nodes:
+  - {name: tok, op: tokenize, in: text, params: {max_length: 8}}
+outputs: {ids: tok.input_ids}
+placement: {tok: cpu}
+"""
+IMAGE_PIPELINE = """\
+name: tiny-image
+inputs: {image: {kind: bytes, format: jpeg, typical: {height: 16, width: 16, bytes: 800}}}
+nodes:
+  - {name: decode, op: decode_image, in: image}
+  - {name: resize, op: resize, in: decode, params: {size: [8, 8]}}
+outputs: {pixels: resize}
+placement: {decode: cpu, resize: cpu}
+batch: {max_size: 2, max_wait_ms: 1}
+"""
+
+
+def pipeline_file(tmp_path, text=IMAGE_PIPELINE):
+    path = tmp_path / ("image.yaml" if text is IMAGE_PIPELINE else "text.yaml")
+    path.write_text(text)
+    return path
+
+
+def images(tmp_path, good=2, junk=0, truncated=0, name="images"):
+    """A folder of 16x16 JPEGs, files that are no image (unsupported_format) and JPEGs cut short
+    (truncated)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    for i in range(good + truncated):
+        pixels = np.full((16, 16, 3), 40 * i % 256, np.uint8)
+        data = simplejpeg.encode_jpeg(pixels, 90)
+        (folder / f"g{i:02d}.jpg").write_bytes(data if i < good else data[: len(data) // 3])
+    for i in range(junk):
+        (folder / f"j{i:02d}.jpg").write_bytes(b"not an image at all")
+    return folder
 
 
 def texts(tmp_path, n=5):
