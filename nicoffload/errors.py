@@ -11,7 +11,8 @@
     │   ├── DeviceError             a device (GPU, DPU agent, RDMA NIC) is absent or failed
     │   ├── TransportError          a transport failed (keeps the foreign exception as __cause__)
     │   │   └── FrameError          a malformed or unexpected frame on the wire
-    │   └── AgentError              the DPU agent refused or failed a request
+    │   ├── AgentError              the DPU agent refused or failed a request
+    │   └── RunFailed               a run's items failed: every one, or any under `run --strict`
     └── ItemError                   one item failed (a corrupt JPEG); counted, never fatal to a run
 
 Foreign exceptions are mapped at the boundary (`raise TransportError(...) from exc`).
@@ -99,6 +100,11 @@ class FrameError(TransportError):
 
 class AgentError(SystemFailure):
     """The DPU agent refused or failed a request."""
+
+
+class RunFailed(SystemFailure):
+    """A run ended but its items failed: every one of them, or any one under `run --strict`.
+    The message counts the failures by reason with an example of each."""
 
 
 class ItemError(NicoffloadError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -11,10 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from nicoffload.cli import app, busy, emit_json, handle_errors
-from nicoffload.errors import Mark, UserError
+from nicoffload.errors import Mark, RunFailed, UserError
 from nicoffload.inputs import dir_items, sample_items
 from nicoffload.outputs import OutputWriter
-from nicoffload.runner import RunStats, prepare, stream
+from nicoffload.runner import Prepared, RunStats, prepare, stream
 
 
 def summary_table(stats: RunStats) -> Table:
@@ -60,6 +61,68 @@ def summary_table(stats: RunStats) -> Table:
     return t
 
 
+def check_token_file(token_file: Path | None) -> None:
+    """A --token-file that cannot be read is refused before anything is planned or started."""
+    if token_file is None:
+        return
+    try:
+        with open(token_file, "rb"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"--token-file: cannot read the token file: {exc.strerror or exc}",
+            Mark(str(token_file), 1, 1),
+        ) from None
+
+
+def check_plan_devices(prep: Prepared, plan_file: Path) -> None:
+    """A plan that places a stage on a device the topology lacks is the user's mistake: the
+    plan was made for another topology."""
+    topo = prep.topology
+    for st in prep.plan.stages:
+        if topo is not None and st.device in topo.ids:
+            continue
+        if topo is None and st.kind != "dpu":  # the host and its GPU need no topology
+            continue
+        what = f"the plan places stage '{st.name}' ({', '.join(st.nodes)}) on device '{st.device}'"
+        if topo is None:
+            raise UserError(
+                f"{what} of topology '{prep.plan.topology}'; give that topology (--topology) "
+                "so the run knows where its agent listens",
+                Mark(str(plan_file), 1, 1),
+            )
+        label = (
+            "this machine's topology (autodetected)"
+            if topo.source == "local"
+            else f"topology '{topo.name}' ({topo.source})"
+        )
+        raise UserError(
+            f"{what}, which {label} lacks (it has "
+            f"{', '.join(topo.ids)}); plan it again for this topology, or run with the topology "
+            f"it was made for ('{prep.plan.topology}')",
+            Mark(str(plan_file), 1, 1),
+        )
+
+
+def failed_items(doc: dict[str, Any], strict: bool) -> str | None:
+    """Why a finished run failed through its items, or None: every item failed, or (--strict)
+    any did. The counts by reason, with each reason's first item."""
+    errors, items = doc["errors"], doc["items"]
+    if not errors or (errors < items and not strict):
+        return None
+    head = (
+        f"every item failed ({errors} of {items})"
+        if errors == items
+        else f"{errors} of {items} items failed, and --strict makes any failure fatal"
+    )
+    examples = doc.get("error_examples", {})
+    reasons = "; ".join(
+        f"{reason}: {n}" + (f" (first: {examples[reason]})" if reason in examples else "")
+        for reason, n in doc["errors_by_reason"].items()
+    )
+    return f"run: {head}: {reasons}"
+
+
 def report(stats: RunStats, json_out: bool) -> None:
     if json_out:
         emit_json(stats.to_json())
@@ -95,16 +158,23 @@ def run(
         None, "--workers", min=1, help="worker threads (default: the host's cores in the topology)"
     ),
     seed: int = typer.Option(0, "--seed", help="seed for --sample"),
+    strict: bool = typer.Option(
+        False, "--strict", help="any failed item fails the run (exit 1, --output not written)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     """Run a pipeline over a folder of files or generated samples; print throughput, latency,
-    per-stage time and host-CPU time. Corrupt items are counted by reason, never fatal. A stage's
-    ms/item is the CPU time its kernels took per item in the worker that ran them (core-ms, as
-    the planner predicts it; queue waits excluded); --json adds the calls' wall time."""
+    per-stage time and host-CPU time. Corrupt items are counted by reason; a run fails (exit 1)
+    only when every item failed, or with --strict when any did. A stage's ms/item is the CPU
+    time its kernels took per item in the worker that ran them (core-ms, as the planner
+    predicts it; queue waits excluded); --json adds the calls' wall time."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
+    check_token_file(token_file)
     with busy("planning" if plan is None else "loading the plan"):
         prep = prepare(pipeline, plan, topology, token_file)
+    if plan is not None:
+        check_plan_devices(prep, plan)
     pl = prep.pipeline
     err = Console(stderr=True)
     if sample is not None:
@@ -130,6 +200,9 @@ def run(
             if writer:
                 writer.write(batch.numpy())  # CUDA outputs copied to the host here only
             progress.advance(task, len(batch))
+        if why := failed_items(stats.to_json(), strict):
+            report(stats, json_out)  # what failed, and how: on stdout as a success would be
+            raise RunFailed(why)
         if writer:
             writer.commit(stats.to_json())
     report(stats, json_out)

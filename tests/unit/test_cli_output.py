@@ -57,6 +57,15 @@ def test_a_successful_run_writes_the_folder_and_leaves_nothing_beside_it(previou
     assert leftovers(out) == []
 
 
+def test_a_run_whose_items_all_fail_leaves_the_previous_output_untouched(tmp_path, previous):
+    out, files = previous
+    result = invoke(pipeline_file(tmp_path), "--input", images(tmp_path, 0, 3), "--output", out)
+    assert result.exit_code == 1, result.output
+    assert contents(out) == files
+    assert f"the previous contents of {out} are untouched" in result.stderr
+    assert leftovers(out) == []
+
+
 def test_a_run_that_crashes_midway_leaves_the_previous_output_untouched(
     tmp_path, previous, monkeypatch
 ):
@@ -112,6 +121,15 @@ def test_a_successful_run_replaces_the_previous_output_as_a_whole(tmp_path, prev
     assert result.exit_code == 0, result.output
     assert set(contents(out)) == {"ids.npy", "items.json", "summary.json"}  # no pixels.npy
     assert json.loads((out / "summary.json").read_text())["items"] == 2
+
+
+def test_strict_with_a_failed_item_creates_no_output_folder(tmp_path):
+    out = tmp_path / "new" / "deeper" / "out"
+    folder = images(tmp_path, 2, 1)
+    result = invoke(pipeline_file(tmp_path), "--input", folder, "--output", out, "--strict")
+    assert result.exit_code == 1, result.output
+    assert f"--output: nothing was written; {out} was not created" in result.stderr
+    assert not (tmp_path / "new").exists()  # nor the folders made to hold it
 
 
 def test_an_output_path_that_is_a_file_is_refused_with_exit_2(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -131,3 +132,95 @@ def test_the_summary_shows_the_transfer_against_its_plan_and_where_it_landed_on_
     text = console.export_text()
     assert "crop over tcp+pcie: 301 KB/item (planned for 151), 2 batches, 3.20 ms/batch" in text
     assert "into the GPU" in text and "pinned-host: 2 batches (why)" in text
+
+
+def test_a_missing_token_file_is_a_user_error_naming_the_path(tmp_path):
+    token = tmp_path / "nowhere.token"
+    result = invoke(pipeline_file(tmp_path, TEXT_PIPELINE), "--sample", 1, "--token-file", token)
+    assert result.exit_code == 2, result.output
+    assert f"{token}:1:1: --token-file: cannot read the token file: No such file" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def dpu_plan(tmp_path, pipeline):
+    """A plan made for a topology with a DPU: the tokenizer on dpu0."""
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner.plan import single_device_plan
+
+    plan = single_device_plan(load_pipeline(pipeline), "dpu0")
+    path = tmp_path / "plan.json"
+    dataclasses.replace(plan, topology="bluefield3-h100").save(path)
+    return path
+
+
+def test_a_plan_for_a_device_the_topology_lacks_is_refused_naming_the_device(tmp_path):
+    pipeline = pipeline_file(tmp_path, TEXT_PIPELINE)
+    plan = dpu_plan(tmp_path, pipeline)
+    topology = "pipelines/topologies/host-only.yaml"
+    result = invoke(pipeline, "--sample", 1, "--plan", plan, "--topology", topology)
+    assert result.exit_code == 2, result.output
+    assert (
+        f"{plan}:1:1: the plan places stage 's0-dpu0' (tok) on device 'dpu0', which topology "
+        f"'host-only' ({topology}) lacks (it has cpu, gpu0)"
+    ) in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_plan_with_a_dpu_stage_and_no_topology_is_refused_with_exit_2(tmp_path):
+    pipeline = pipeline_file(tmp_path, TEXT_PIPELINE)
+    plan = dpu_plan(tmp_path, pipeline)
+    result = invoke(pipeline, "--sample", 1, "--plan", plan)
+    assert result.exit_code == 2, result.output
+    assert "on device 'dpu0' of topology 'bluefield3-h100'; give that topology" in result.stderr
+
+
+def test_a_run_in_which_every_item_fails_exits_1_with_the_reasons_counted(tmp_path):
+    folder = images(tmp_path, good=0, junk=2, truncated=1)
+    result = invoke(pipeline_file(tmp_path), "--input", folder)
+    assert result.exit_code == 1, result.output
+    assert "nicoffload: failure: run: every item failed (3 of 3): " in result.stderr
+    assert "truncated: 1 (first: g00.jpg: " in result.stderr
+    assert "unsupported_format: 2 (first: j00.jpg: no known image signature" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_run_in_which_some_items_fail_exits_0(tmp_path):
+    result = invoke(pipeline_file(tmp_path), "--input", images(tmp_path, good=2, junk=1))
+    assert result.exit_code == 0, result.output
+
+
+def test_strict_makes_any_failed_item_fatal(tmp_path):
+    folder = images(tmp_path, good=2, junk=1)
+    result = invoke(pipeline_file(tmp_path), "--input", folder, "--strict")
+    assert result.exit_code == 1, result.output
+    assert (
+        "run: 1 of 3 items failed, and --strict makes any failure fatal: unsupported_format: 1 "
+        "(first: j00.jpg: "
+    ) in result.stderr
+
+
+def test_strict_passes_a_run_without_failures(tmp_path):
+    result = invoke(pipeline_file(tmp_path), "--input", images(tmp_path, good=2), "--strict")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_run_that_fails_through_its_items_still_prints_one_json_document(tmp_path):
+    folder = images(tmp_path, good=1, junk=1)
+    for extra in ([], ["--strict"]):
+        args = ["--input", folder, "--json", *extra]
+        result = invoke(pipeline_file(tmp_path), *args)
+        assert result.exit_code == (1 if extra else 0), result.output
+        doc = json.loads(result.stdout)  # the whole of stdout: one document, nothing else
+        assert doc["items"] == 2 and doc["errors_by_reason"] == {"unsupported_format": 1}
+    result = invoke(
+        pipeline_file(tmp_path), "--input", images(tmp_path, 0, 2, name="bad"), "--json"
+    )
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["errors"] == 2
+
+
+def test_a_refused_run_prints_nothing_on_stdout_with_json(tmp_path):
+    pipeline = pipeline_file(tmp_path, TEXT_PIPELINE)
+    result = invoke(pipeline, "--sample", 1, "--plan", dpu_plan(tmp_path, pipeline), "--json")
+    assert result.exit_code == 2
+    assert result.stdout == ""
