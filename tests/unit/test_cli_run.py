@@ -224,3 +224,25 @@ def test_a_refused_run_prints_nothing_on_stdout_with_json(tmp_path):
     result = invoke(pipeline, "--sample", 1, "--plan", dpu_plan(tmp_path, pipeline), "--json")
     assert result.exit_code == 2
     assert result.stdout == ""
+
+
+def test_a_text_the_tokenizer_cannot_encode_is_that_items_error(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # No [UNK], but it holds the words the load-time check tries: only the run finds the gap.
+    vocab = {"[PAD]": 0, "nicoffload": 1, "\U000f0000\U000f0001": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tok.json"))
+    pipeline = pipeline_file(
+        tmp_path, TEXT_PIPELINE.replace("max_length: 8", "tokenizer: tok.json")
+    )
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("nicoffload")
+    (folder / "b.txt").write_text("hello")
+    result = invoke(pipeline, "--input", folder, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["errors_by_reason"] == {"tokenize_failed": 1}
+    assert doc["error_examples"]["tokenize_failed"].startswith("b.txt: WordLevel error: Missing")
