@@ -7,6 +7,7 @@ UserError naming the file and the key.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,16 @@ class AgentConfig:
     token_file: str = ""
     cores: int = 0  # 0: every core this process may run on
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint; empty: none
-    max_connections: int = 64
+    metrics_remote: bool = False  # the operator's opt-in to a metrics address off loopback
+    metrics_token_file: str = ""  # scrapes must send `Authorization: Bearer <its content>`
+    metrics_max_connections: int = 4  # more: the oldest is closed for the newest
+    metrics_timeout_s: float = 5.0  # a metrics connection is closed this long after accept
+    max_connections: int = 64  # authenticated connections (sessions)
+    max_handshakes: int = 32  # connections not yet authenticated; more: the oldest is dropped
+    max_handshakes_per_address: int = 8  # of those, from one address
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     window: int = 256  # REQUEST credits per session (bounds the agent's memory per client)
-    handshake_timeout_s: float = 10.0  # authenticate within this or be dropped
+    handshake_timeout_s: float = 3.0  # authenticate within this or be dropped
     idle_timeout_s: float = 60.0  # an authenticated client silent this long is dropped
     io_timeout_s: float = 30.0  # a peer silent this long in the middle of a frame is dropped
     forward_timeout_s: float = 60.0  # the next placement holds every slot this long: fail
@@ -41,10 +48,12 @@ class AgentConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+_COUNTS = [n for n, f in _FIELDS.items() if f.type == "int" and n != "cores"]
+_TYPES: dict[str, Any] = {"int": int, "float": (int, float), "str": str, "bool": bool}
 
 
 def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
-    for name in ("max_connections", "max_request_bytes", "window", "dedup_window"):
+    for name in _COUNTS:
         if getattr(cfg, name) < 1:
             raise UserError(f"'{name}' must be at least 1, got {getattr(cfg, name)}", mark)
     if cfg.cores < 0:
@@ -56,7 +65,23 @@ def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
         value = getattr(cfg, name)
         if value:
             split_hostport(value, name, mark)
+    if cfg.metrics and not cfg.metrics_remote and not is_loopback(split_hostport(cfg.metrics)[0]):
+        raise UserError(
+            f"'metrics' {cfg.metrics!r} is not a loopback address: the endpoint is unauthenticated "
+            "unless 'metrics_token_file' is set; set 'metrics_remote = true' to serve it there",
+            mark,
+        )
     return cfg
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or 'localhost'; a name or a wildcard (0.0.0.0, ::) is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def split_hostport(text: str, what: str = "address", mark: Mark | None = None) -> tuple[str, int]:
@@ -84,7 +109,7 @@ def load_config(path: str | Path | None) -> AgentConfig:
         field = _FIELDS.get(key)
         if field is None:
             raise UserError(f"unknown key '{key}'{did_you_mean(key, list(_FIELDS))}", mark)
-        want = {"int": int, "float": (int, float), "str": str}[str(field.type)]
-        if not isinstance(value, want) or isinstance(value, bool):
+        want = _TYPES[str(field.type)]
+        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
             raise UserError(f"'{key}' must be of type {field.type}, got {value!r}", mark)
     return _checked(AgentConfig(**values), mark)

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dpu_agents import auth
+from dpu_agents.admission import Admission
 from dpu_agents.logs import log_event
 from dpu_agents.protocol import (
     CALLS,
@@ -47,12 +48,17 @@ _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 class Refused(Exception):
-    """Authentication failed; the client is told why, in general terms, and the agent logs it."""
+    """Authentication failed; the client is told why, in general terms, and the agent counts it."""
+
+
+class Full(Exception):
+    """The client proved the token but the agent has no room for another session."""
 
 
 class Connection:
     def __init__(self, agent: Agent, sock: socket.socket, peer: str) -> None:
         self.agent, self.peer, self.cfg = agent, peer, agent.config
+        self.evicted = ""  # why the agent dropped it before it authenticated
         self.ch = Channel(sock, f"client {peer}", io_timeout=self.cfg.io_timeout_s)
         self.session: Session | None = None
         self._lock = threading.Lock()
@@ -62,20 +68,13 @@ class Connection:
         self.thread = threading.Thread(target=self.serve, name=f"conn {peer}", daemon=True)
 
     def serve(self) -> None:
-        # The deadline holds mid-frame too: a sender dribbling a byte at a time cannot keep an
-        # unauthenticated connection (and its thread) for longer than this (+1 s: a silent one
-        # is told why first, at the deadline).
-        watchdog = threading.Timer(self.cfg.handshake_timeout_s + 1.0, self.stop)
-        watchdog.daemon = True
-        watchdog.start()
         try:
-            self._handshake()
-            watchdog.cancel()
+            try:
+                self._handshake()
+            except Exception as exc:  # whatever a stranger causes is counted, not logged each
+                self._refused(exc)
+                return
             self._loop()
-        except Refused as exc:
-            self.agent.metrics.error("auth")
-            log_event(log, logging.WARNING, "auth_refused", peer=self.peer, reason=str(exc))
-            self.ch.post(error_frame(AgentError(f"authentication failed: {exc}")), _DONTWAIT)
         except FrameError as exc:
             self.agent.metrics.error("bad_frame")
             log_event(log, logging.WARNING, "bad_frame", peer=self.peer, error=str(exc))
@@ -87,8 +86,27 @@ class Connection:
             log.exception("connection failed", extra={"fields": {"peer": self.peer}})
             self.ch.post(error_frame(AgentError(f"internal error: {exc!r}")), _DONTWAIT)
         finally:
-            watchdog.cancel()
             self._finish()
+
+    def _refused(self, exc: Exception) -> None:
+        """The handshake failed: tell the peer why in general terms (unless it was displaced,
+        or is gone), count it by reason and address."""
+        if isinstance(exc, Full):
+            self.agent.metrics.error("too_many_connections")
+            log_event(log, logging.WARNING, "connection_refused", peer=self.peer, reason=str(exc))
+            self.ch.post(error_frame(AgentError(str(exc))), _DONTWAIT)
+            return
+        reason = self.evicted or str(exc)
+        if isinstance(exc, Refused) and not self.evicted:
+            self.ch.post(error_frame(AgentError(f"authentication failed: {exc}")), _DONTWAIT)
+        elif isinstance(exc, FrameError):
+            self.ch.post(error_frame(exc), _DONTWAIT)
+            reason = "bad frame"  # the frame's details would make every line a new reason
+        elif not isinstance(exc, (Refused, TransportError, AgentError)):
+            reason = f"internal error: {exc!r}"
+            log.exception("handshake failed", extra={"fields": {"peer": self.peer}})
+        self.agent.metrics.error("auth")
+        self.agent.refusals.note(reason, self.peer)
 
     def _finish(self) -> None:
         with self._lock:
@@ -104,6 +122,15 @@ class Connection:
         """Wake the reader: it sees EOF and finishes the session."""
         self.ch.shutdown()
 
+    def evict(self, why: str) -> None:
+        """Drop a connection still in its handshake (the agent no longer counts it)."""
+        self.evicted = why
+        self.ch.shutdown()
+
+    def close(self) -> None:
+        """Close a connection whose thread never ran."""
+        self.ch.close()
+
     # --- authentication --------------------------------------------------------------------
 
     def _handshake(self) -> None:
@@ -111,6 +138,7 @@ class Connection:
         hello = self._first(Kind.HELLO, HelloMeta, deadline)
         if hello.protocol != PROTOCOL:
             raise Refused(f"protocol {hello.protocol!r}, this agent speaks {PROTOCOL}")
+        self.agent.admission.greeted(self)
         nonce = auth.nonce()
         self.ch.send(frame(Kind.CHALLENGE, ChallengeMeta(nonce, self.agent.name)))
         answer = self._first(Kind.AUTH, AuthMeta, deadline)
@@ -122,6 +150,11 @@ class Connection:
             )
         except AgentError:
             raise Refused("wrong token") from None
+        why = self.agent.admission.promote(self)
+        if why == Admission.GONE:
+            raise Refused(self.evicted or why)
+        if why:
+            raise Full(why)
         proof = auth.server_proof(self.agent.token, nonce, answer.nonce)
         welcome = WelcomeMeta(proof, self.agent.name, self.agent.pool.n, self.cfg.max_request_bytes)
         self.ch.send(frame(Kind.WELCOME, welcome))

@@ -2,14 +2,16 @@
 
 An Agent accepts client connections (each authenticated, each with at most one loaded stage),
 runs the stages' items on a worker pool of `cores` threads, and on SIGTERM or a SHUTDOWN call
-drains the work in flight, then exits 0. It prints one JSON line on stdout once it listens:
-`{"event": "listening", "address": "127.0.0.1:43211"}`; logs go to stderr as JSON lines.
+drains the work in flight, then exits 0; if it can no longer accept connections (its listener is
+broken, its accept loop died) it exits 1, so that a supervisor restarts it. It prints one JSON
+line on stdout once it listens: `{"event": "listening", "address": "127.0.0.1:43211"}`; logs go
+to stderr as JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import errno
 import json
 import logging
 import os
@@ -22,15 +24,21 @@ import time
 from typing import Any
 
 from dpu_agents import auth, logs
+from dpu_agents.admission import Admission
 from dpu_agents.config import AgentConfig, load_config, split_hostport
 from dpu_agents.connection import Connection
-from dpu_agents.logs import log_event
+from dpu_agents.logs import Tally, log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.session import WorkerPool
 from nicoffload.errors import NicoffloadError, UserError
-from nicoffload.transport.frame import error_frame
+from nicoffload.transport.frame import HEADER_SIZE
 
 log = logging.getLogger("dpu_agents.server")
+SWEEP_S = 0.25  # how often the accept loop drops late handshakes and writes due log lines
+LATE_S = 0.5  # past the handshake deadline: the connection has had its chance to be told why
+BACKOFF_S = (0.01, 1.0)  # after a failed accept (EMFILE, no thread), doubling up to the last
+# The listener itself is unusable: no waiting will help, a restart might.
+FATAL_ACCEPT = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK, errno.EOPNOTSUPP})
 
 
 class Agent:
@@ -42,10 +50,18 @@ class Agent:
         self.name = socket.gethostname()
         self.metrics = Metrics()
         self.draining = False
+        self.exit_code = 0
         self._closed = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._connections: set[Connection] = set()
+        self.admission = Admission(
+            config.max_handshakes,
+            config.max_handshakes_per_address,
+            config.max_connections,
+            config.handshake_timeout_s + LATE_S,
+        )
+        self.refusals = Tally(log, "auth_refused")  # what strangers cause: counted, not a line each
+        self._accept_errors = Tally(log, "accept_failed", level=logging.ERROR)
         host, port = split_hostport(config.listen, "listen")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -54,6 +70,7 @@ class Agent:
             raise NicoffloadError(f"agent: cannot listen on {config.listen}: {exc}") from exc
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         self.address = f"{shown}:{self._listener.getsockname()[1]}"
+        self._listener.setblocking(False)  # one acceptor; a connection gone before accept: no wait
         self._wake_r, self._wake_w = socket.socketpair()
         self.pool = WorkerPool(config.cores or len(os.sched_getaffinity(0)))
         self._http: Any = None
@@ -71,51 +88,77 @@ class Agent:
         self.metrics_address = f"{host}:{self._http.server_port}"
 
     def _accept_loop(self) -> None:
+        """Accept until stopped. Whatever fails is logged (counted) and retried after a back-off
+        (EMFILE, a thread that cannot start, a bug); a broken listener, or anything that escapes
+        here, fails the agent (exit 1) rather than leave it alive and deaf."""
         poll = select.poll()
         poll.register(self._listener, select.POLLIN)
         poll.register(self._wake_r, select.POLLIN)
-        while not self._stop.is_set():
-            poll.poll()
-            if self._stop.is_set():
-                break
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:  # EMFILE and friends: wait a little, keep serving
-                log_event(log, logging.ERROR, "accept_failed", error=str(exc))
-                time.sleep(0.05)
-                continue
-            peer = f"{addr[0]}:{addr[1]}"
-            with self._lock:
-                full = len(self._connections) >= self.config.max_connections
-                conn = None if full else Connection(self, sock, peer)
-                if conn is not None:
-                    self._connections.add(conn)
-                n = len(self._connections)
-            if conn is None:
-                self.metrics.error("too_many_connections")
-                log_event(log, logging.WARNING, "connection_refused", peer=peer, reason="full")
-                self._refuse(sock)
-                continue
-            self.metrics.connections(n)
-            conn.thread.start()
+        backoff = BACKOFF_S[0]
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._accept_ready(poll)
+                    backoff = BACKOFF_S[0]
+                except Exception as exc:
+                    if isinstance(exc, OSError) and exc.errno in FATAL_ACCEPT:
+                        raise
+                    self._accept_errors.note(f"{type(exc).__name__}: {exc}")
+                    self._stop.wait(backoff)
+                    backoff = min(2 * backoff, BACKOFF_S[1])
+        except BaseException as exc:
+            self.fail(f"the accept loop cannot go on: {exc!r}")
 
-    @staticmethod
-    def _refuse(sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.send(error_frame(NicoffloadError("too many connections")), socket.MSG_DONTWAIT)
-        sock.close()
+    def _accept_ready(self, poll: select.poll) -> None:
+        ready = poll.poll(SWEEP_S * 1000)
+        self._sweep()
+        if self._stop.is_set() or not any(fd == self._listener.fileno() for fd, _ in ready):
+            return
+        try:
+            sock, addr = self._listener.accept()
+        except BlockingIOError:
+            return
+        try:
+            sock.setblocking(True)
+            conn = Connection(self, sock, f"{addr[0]}:{addr[1]}")
+        except BaseException:
+            sock.close()
+            raise
+        for old in self.admission.admit(conn, addr[0], _sent_a_head(sock)):
+            old.evict("displaced by newer connections")
+        self._count()
+        try:
+            conn.thread.start()
+        except BaseException:
+            self.admission.forget(conn)
+            conn.close()
+            self._count()
+            raise
+
+    def _sweep(self) -> None:
+        for conn in self.admission.expired():
+            conn.evict(f"no login within {self.config.handshake_timeout_s} s")
+        self.refusals.flush()
+        self._accept_errors.flush()
+
+    def _count(self) -> None:
+        self.metrics.connections(sum(self.admission.counts()))
 
     def forget(self, conn: Connection) -> None:
-        with self._lock:
-            self._connections.discard(conn)
-            n = len(self._connections)
-        self.metrics.connections(n)
+        self.admission.forget(conn)
+        self._count()
+
+    def fail(self, why: str) -> None:
+        """The agent cannot serve: stop, and exit 1."""
+        log_event(log, logging.CRITICAL, "agent_failed", error=why)
+        self.exit_code = 1
+        self.request_stop()
 
     def stats(self) -> dict[str, Any]:
         doc = self.metrics.snapshot()
         doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
-        with self._lock:
-            sessions = [(c.peer, c.session) for c in self._connections if c.session is not None]
+        conns = self.admission.sessions()
+        sessions = [(c.peer, c.session) for c in conns if c.session is not None]
         doc["sessions"] = {
             f"{peer}/{s.name}": {"admitted": s.admitted, "forwarded": s.forwarded}
             for peer, s in sessions
@@ -126,11 +169,14 @@ class Agent:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def serve(self) -> None:
-        """Block until asked to stop, then drain and close (bounded by drain_timeout_s)."""
+    def serve(self) -> int:
+        """Block until asked to stop, then drain and close (bounded by drain_timeout_s);
+        returns the exit code (1: the agent failed)."""
         while not self._stop.wait(0.5):
-            pass
+            if not self._acceptor.is_alive():
+                self.fail("the accept loop stopped")
         self.close()
+        return self.exit_code
 
     def close(self) -> None:
         with self._lock:
@@ -143,8 +189,7 @@ class Agent:
         self._wake_w.send(b"x")
         self._acceptor.join(5.0)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        with self._lock:
-            conns = list(self._connections)
+        conns = self.admission.all()
         for c in conns:
             if c.session is not None and not c.session.drain(max(0.0, deadline - time.monotonic())):
                 log_event(log, logging.WARNING, "drain_incomplete", peer=c.peer)
@@ -158,6 +203,8 @@ class Agent:
             self._http.server_close()
         for s in (self._listener, self._wake_r, self._wake_w):
             s.close()
+        self.refusals.flush(force=True)
+        self._accept_errors.flush(force=True)
         log_event(log, logging.INFO, "stopped", **self.metrics.snapshot())
 
     def __enter__(self) -> Agent:
@@ -165,6 +212,14 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sent_a_head(sock: socket.socket) -> bool:
+    """Whether a whole frame header is already waiting: a client sends HELLO as it connects."""
+    try:
+        return len(sock.recv(HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)) == HEADER_SIZE
+    except OSError:
+        return False
 
 
 def _kernel_times(sessions: Any) -> dict[str, Any]:
@@ -244,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         line["metrics"] = agent.metrics_address
     print(json.dumps(line), flush=True)
     log_event(log, logging.INFO, "listening", address=agent.address, cores=cores, pid=os.getpid())
-    agent.serve()
-    return 0
+    return agent.serve()
 
 
 if __name__ == "__main__":

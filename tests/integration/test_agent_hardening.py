@@ -5,11 +5,15 @@ and floods of idle connections to the metrics endpoint. The host's CLI shares th
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,3 +168,122 @@ def test_a_loaded_alias_bomb_is_refused_and_the_agent_keeps_serving(agent, token
     assert steady.finish() >= 1
     after = proc_status(agent.pid)
     assert after["rss_kb"] - before["rss_kb"] < 100_000, (before, after)
+
+
+# --- 2. pre-authentication lockout -----------------------------------------------------------
+
+
+class Flood(threading.Thread):
+    """`n` connections spread over the `sources` addresses that never authenticate (idle, or
+    `send` then idle), each reopened as soon as the agent drops it."""
+
+    def __init__(self, address: str, n: int, sources: list[str], send: bytes = b"") -> None:
+        super().__init__(daemon=True)
+        host, port = address.rsplit(":", 1)
+        self.target, self.n, self.sources, self.send = (host, int(port)), n, sources, send
+        self.stop = threading.Event()
+        self.held = self.reopened = 0
+        self.error: BaseException | None = None
+
+    def _open(self, source: str) -> socket.socket | None:
+        s = socket.socket()
+        try:
+            s.bind((source, 0))
+            s.settimeout(1.0)
+            s.connect(self.target)
+            if self.send:
+                s.sendall(self.send)
+            s.setblocking(False)
+            return s
+        except OSError:  # the backlog is full for a moment: try again next round
+            s.close()
+            return None
+
+    def run(self) -> None:
+        socks: dict[int, tuple[socket.socket, str]] = {}
+        poller = select.poll()
+        try:
+            wanted = [self.sources[i % len(self.sources)] for i in range(self.n)]
+            while not self.stop.is_set():
+                failed = []
+                for source in wanted:
+                    s = self._open(source)
+                    if s is None:
+                        failed.append(source)
+                        continue
+                    socks[s.fileno()] = (s, source)
+                    poller.register(s, select.POLLIN)
+                wanted = failed
+                self.held = len(socks)
+                for fd, _ in poller.poll(20):
+                    s, source = socks.pop(fd)
+                    poller.unregister(fd)
+                    s.close()
+                    self.reopened += 1
+                    wanted.append(source)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            for s, _ in socks.values():
+                s.close()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(10)
+        assert self.error is None, repr(self.error)
+
+
+def logins(address: str, token: bytes, n: int) -> list[str]:
+    """Log in `n` times from 127.0.0.1; what each refusal said."""
+    refused = []
+    for i in range(n):
+        try:
+            with AgentClient(address, token, timeout=10, client_name=f"login-{i}") as client:
+                client.stats()
+        except AgentError as exc:
+            refused.append(str(exc))
+    return refused
+
+
+def auth_log_lines(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "agent.log").read_text().splitlines()
+    return [d for d in map(json.loads, lines) if d["event"] == "auth_refused"]
+
+
+OTHERS = [f"127.0.0.{i}" for i in range(2, 10)]  # loopback too: 127.0.0.0/8
+
+
+@pytest.mark.parametrize(
+    ("n", "sources", "send"),
+    [(120, OTHERS, b""), (120, OTHERS, b"N"), (40, ["127.0.0.1"], b"")],
+    ids=["silent", "one-byte", "silent-from-the-clients-address"],
+)
+def test_idle_unauthenticated_sockets_cannot_keep_clients_out(
+    tmp_path, token_file, n, sources, send
+) -> None:
+    """More idle sockets than the handshake pool, each reopened as it drops (so the pool stays
+    full and contested): every login still succeeds, and the agent holds no more than its
+    pool; the refusals are counted in a few log lines."""
+    agent = start_agent(tmp_path, token_file)  # 32 handshakes at most, 8 per address
+    token = auth.read_token(token_file)
+    served(agent.address, token)
+    base = proc_status(agent.pid)
+    flood = Flood(agent.address, n, sources, send)
+    flood.start()
+    try:
+        deadline = time.monotonic() + 20
+        while flood.reopened < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert flood.reopened >= n, flood.reopened  # the pool is full and contested
+        assert logins(agent.address, token, 30) == []
+        served(agent.address, token)
+        during = proc_status(agent.pid)
+    finally:
+        flood.finish()
+    # held at once: the handshake pool, the displaced ones winding down, never the flood
+    assert during["fds"] - base["fds"] <= 32 + 16, (base, during)
+    assert during["threads"] - base["threads"] <= 32 + 16, (base, during)
+    assert agent.stop(timeout=15) == 0
+    lines = auth_log_lines(tmp_path)
+    assert sum(d.get("count", 1) for d in lines) >= n, lines  # every refusal is counted...
+    assert len(lines) <= 4, lines  # ...in a few lines, not one each
