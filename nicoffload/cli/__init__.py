@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -44,16 +46,41 @@ def fail(message: str, code: int, exc: BaseException | None = None) -> None:
     raise typer.Exit(code)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler's time limit), raised in the main thread as Ctrl-C is."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM unwinds it as Ctrl-C does: `with` blocks close (agents
+    stop, `run --output` leaves its folder as it was) instead of the process vanishing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def handle_errors(fn: F) -> F:
     """Map nicoffload errors to exit codes and one-line messages; never a traceback for those."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with sigterm_unwinds():
+                return fn(*args, **kwargs)
         except NicoffloadError as exc:
             prefix = "error" if exc.exit_code == 2 else "failure"
             fail(f"{prefix}: {exc}", exc.exit_code, exc)
+        except Terminated as exc:
+            fail("terminated", 128 + signal.SIGTERM, exc)
         except KeyboardInterrupt as exc:
             fail("interrupted", 130, exc)
         except BrokenPipeError:

@@ -7,6 +7,7 @@ import errno
 import importlib
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -212,5 +213,31 @@ def test_a_full_disk_is_found_before_the_run_and_leaves_nothing(tmp_path, previo
     assert result.exit_code == 2, result.output
     assert f"--output: cannot write into a folder beside '{out}'" in result.stderr
     assert "No space left on device" in result.stderr
+    assert contents(out) == files
+    assert leftovers(out) == []
+
+
+def test_a_terminated_run_leaves_the_previous_output_untouched(tmp_path, previous, monkeypatch):
+    out, files = previous
+
+    def not_unwound(signum, frame):  # what the run sees if SIGTERM does not unwind it
+        raise RuntimeError("SIGTERM reached the test's own handler")
+
+    previous_handler = signal.signal(signal.SIGTERM, not_unwound)
+    real = cli_run.stream
+
+    def stream(*args, **kwargs):
+        for batch in real(*args, **kwargs):
+            yield batch
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` or a scheduler's time limit
+
+    monkeypatch.setattr(cli_run, "stream", stream)
+    try:
+        result = invoke(pipeline_file(tmp_path), "--input", images(tmp_path, 4), "--output", out)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    assert result.exit_code == 143, result.output
+    assert "nicoffload: terminated" in result.stderr
+    assert f"the previous contents of {out} are untouched" in result.stderr
     assert contents(out) == files
     assert leftovers(out) == []
