@@ -62,11 +62,13 @@ class LocalAgent:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            code = self.proc.poll()
-            raise AgentError(
-                f"the local agent did not start within {timeout} s"
-                + (f" (exit code {code})" if code is not None else "")
-            )
+            if ready:  # its stdout closed: it exited before it listened
+                try:
+                    code = self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise AgentError(f"the local agent exited (code {code}) before it listened")
+            raise AgentError(f"the local agent did not start within {timeout} s")
         return line
 
     @property

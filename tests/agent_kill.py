@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -30,3 +32,36 @@ def run_killing_at(agent: Any, pipeline: Any, items: list[Any], at: int, **run: 
     assert result.names == [str(i) for i in range(len(items))]  # each item once, in order
     assert result.ok.all()
     return result
+
+
+@contextlib.contextmanager
+def signal_local_agents_after(delay_s: float, sig: int = signal.SIGKILL) -> Iterator[list[int]]:
+    """Every `LocalAgent` started inside gets `sig` `delay_s` after its process starts: while
+    it starts, loads its stage, or streams, whichever that moment falls in. Yields the pids."""
+    import subprocess
+
+    from dpu_agents import local
+
+    pids: list[int] = []
+    timers: list[threading.Timer] = []
+    real = subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        proc = real(*args, **kwargs)
+        pids.append(proc.pid)
+
+        def hit() -> None:
+            if proc.poll() is None:
+                os.kill(proc.pid, sig)
+
+        timers.append(threading.Timer(delay_s, hit))
+        timers[-1].start()
+        return proc
+
+    local.subprocess.Popen = popen  # type: ignore[attr-defined]
+    try:
+        yield pids
+    finally:
+        local.subprocess.Popen = real  # type: ignore[attr-defined]
+        for t in timers:
+            t.cancel()

@@ -18,12 +18,21 @@ from nicoffload.runtime.batch import Stamps
 @dataclass
 class BatchSlot:
     """Output arrays of one batch, shaped (max_size, *item_shape), plus per-row bookkeeping:
-    `stamps` says which item wrote each row of each output (reset when the slot is taken)."""
+    `stamps` says which item wrote each row of each output, and `taken` counts the times the
+    slot was taken, so a batch can tell that its slot went to another batch before it was done
+    with it (both renewed by `renew`, when the slot is taken)."""
 
     index: int
     arrays: dict[str, np.ndarray]
     ragged: dict[str, list[object]] = field(default_factory=dict)
     stamps: Stamps = field(default_factory=lambda: Stamps((), 0))
+    taken: int = 0
+
+    def renew(self) -> int:
+        """The slot goes to a new batch: no row is written yet. Returns its new `taken`."""
+        self.stamps.reset()
+        self.taken += 1
+        return self.taken
 
     def row(self, r: int) -> dict[str, np.ndarray]:
         return {k: a[r] for k, a in self.arrays.items()}
@@ -43,7 +52,7 @@ class SlotRing:
 
     def take(self, timeout: float | None = None) -> BatchSlot:
         slot = self._free.get(timeout=timeout)
-        slot.stamps.reset()
+        slot.renew()
         return slot
 
     def give(self, slot: BatchSlot) -> None:

@@ -49,6 +49,18 @@ class _Open:
     done_at: float = 0.0
     gpu: GpuRows | None = None  # the GPU stage's input rows, when the plan ends on the GPU
     ok: np.ndarray | None = None  # set once every row is settled (`Executor._settle`)
+    taken: int = 0  # the slot's `taken` when this batch took it
+
+    def __post_init__(self) -> None:
+        self.taken = self.slot.taken
+
+    def check_slot(self, when: str) -> None:
+        """SystemFailure if the slot went to another batch: rows read from it may be wrong."""
+        if self.slot.taken != self.taken:
+            raise SystemFailure(
+                f"runtime: the slot of batch {self.index} was taken by another batch {when}; "
+                "its rows cannot be trusted"
+            )
 
 
 @dataclass
@@ -356,12 +368,14 @@ class Executor:
             if self.gpu is None:
                 for b in ordered():
                     yield self._to_batch(b)
+                    b.check_slot("while the consumer read it")
                     self._ring.give(b.slot)
             else:
                 gpu_run = self.gpu.run(to_gpu())
                 for gb in gpu_run:
                     b = fed.popleft()
                     yield self._gpu_batch(b, gb)
+                    b.check_slot("while the consumer read it")
                     self._ring.give(b.slot)
         finally:
             stop.set()
@@ -386,6 +400,7 @@ class Executor:
     def _settle(b: _Open) -> None:
         """Decide the batch's ok rows once its host work is done: a row that did not fail but
         was not written into every sink by its own item fails as unwritten (`batch.settle`)."""
+        b.check_slot("before its rows were settled")
         stamps = [b.slot.stamps] + ([b.gpu.stamps] if b.gpu is not None else [])
         b.ok, b.failures = settle(b.start, b.names, b.failures, stamps)
 

@@ -1,0 +1,91 @@
+"""Failover at any moment: the emulated DPU's agent is killed (SIGKILL) or stopped (SIGTERM,
+as `systemctl stop` does) at random moments of a split run, from before it listens, through
+loading its stage, to the middle of the stream. Every run must finish every item exactly once,
+bit for bit equal to the all-host run, and say why it failed over whenever it did."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import signal
+
+import pytest
+from agent_kill import signal_local_agents_after
+
+import nicoffload
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.samples import sample_images
+from nicoffload.topology import local_topology
+
+PIPELINE = load_pipeline("pipelines/resnet50.yaml")
+SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
+TRIALS = 20
+
+
+def split_plan(transport: str) -> Plan:
+    stages, transfers = stages_for(PIPELINE, SPLIT)
+    transfers = tuple(dataclasses.replace(t, transport=transport) for t in transfers)
+    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="local")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [b for _, b in sample_images(60, seed=11)] * 3
+
+
+@pytest.fixture(scope="module")
+def host_outputs(images):
+    result = nicoffload.run(PIPELINE, images, plan=single_device_plan(PIPELINE, "cpu"))
+    assert result.ok.all()
+    return result.outputs["pixels"]
+
+
+def run_hit_at(delay_s: float, sig: int, images, transport: str = "tcp"):
+    with signal_local_agents_after(delay_s, sig) as pids:
+        result = nicoffload.run(
+            PIPELINE, images, plan=split_plan(transport), topology=local_topology(), workers=1
+        )
+    assert len(pids) == 1  # one agent per run: the session's
+    return result
+
+
+def check(result, host_outputs, what: str) -> None:
+    assert result.names == [str(i) for i in range(len(host_outputs))], what  # once, in order
+    assert result.ok.all(), f"{what}: {result.stats.errors_by_reason}"
+    bad = [
+        i
+        for i, (a, b) in enumerate(zip(result.outputs["pixels"], host_outputs, strict=True))
+        if (a != b).any()
+    ]
+    assert not bad, f"{what}: items {bad[:10]} differ from the all-host run"
+
+
+def test_killing_the_agent_at_random_moments_loses_changes_and_doubles_nothing(
+    images, host_outputs
+):
+    rng = random.Random(2026)
+    # the first moments fall before the agent listens and while it loads its stage
+    moments = [0.0, 0.05, 0.3] + [rng.uniform(0.0, 3.0) for _ in range(TRIALS - 3)]
+    failed_over = []
+    for i, delay in enumerate(moments):
+        transport = "shm" if i % 2 else "tcp"
+        result = run_hit_at(delay, signal.SIGKILL, images, transport)
+        check(result, host_outputs, f"SIGKILL at {delay:.2f} s over {transport}")
+        if result.stats.failover is not None:
+            failed_over.append(result.stats.failover)
+            assert result.stats.stages["s0-dpu0@host"]["ms_per_item"] > 0
+    assert any("started" in why for why in failed_over)  # killed before it listened
+    assert len(failed_over) >= TRIALS // 2
+
+
+def test_stopping_the_agent_mid_run_drains_it_and_the_host_runs_what_it_refuses(
+    images, host_outputs
+):
+    rng = random.Random(7)
+    reasons = []
+    for delay in [rng.uniform(1.0, 2.5) for _ in range(4)]:
+        result = run_hit_at(delay, signal.SIGTERM, images)
+        check(result, host_outputs, f"SIGTERM at {delay:.2f} s")
+        reasons.append(result.stats.failover or "")
+    assert any("draining" in why for why in reasons), reasons
