@@ -165,7 +165,7 @@ def check_target(target: Path, shown: str) -> bool:
         ) from None
     foreign = [n for n in names if n not in REPORTS and not n.endswith(".npy")]
     if names and (foreign or not set(REPORTS) <= set(names)):
-        example = foreign[0] if foreign else f"no {' or '.join(set(REPORTS) - set(names))}"
+        example = foreign[0] if foreign else f"no {' or '.join(sorted(set(REPORTS) - set(names)))}"
         raise UserError(
             f"--output: '{shown}' is a folder that is not a previous run's output ({example}); "
             "a run replaces the whole folder, so give a new or empty folder",

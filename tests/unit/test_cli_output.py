@@ -241,3 +241,15 @@ def test_a_terminated_run_leaves_the_previous_output_untouched(tmp_path, previou
     assert f"the previous contents of {out} are untouched" in result.stderr
     assert contents(out) == files
     assert leftovers(out) == []
+
+
+def test_a_folder_of_arrays_without_a_runs_reports_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pixels.npy").write_bytes(b"someone's arrays, or a crashed run's zeros")
+    result = invoke(pipeline_file(tmp_path), "--input", images(tmp_path), "--output", out)
+    assert result.exit_code == 2, result.output
+    assert "is a folder that is not a previous run's output (no items.json or summary.json)" in (
+        result.stderr
+    )
+    assert contents(out) == {"pixels.npy": b"someone's arrays, or a crashed run's zeros"}
