@@ -145,8 +145,13 @@ def _graph(
 ) -> Chains:
     comp = members[0]
     k, D, R = len(comp), len(model.devices), len(model.resources)
-    groups = {g.nodes[-1]: g for g in model.groups if g.nodes[-1] in comp}
-    runs = max([len(g.nodes) for g in groups.values()], default=1)
+    # Several groups may end at one node: one per device kind with the fused kernel (a host
+    # CPU and a DPU both fuse resize+crop+normalize), each priced only on its own devices.
+    ends: dict[int, list] = defaultdict(list)
+    for g in model.groups:
+        if g.nodes[-1] in comp:
+            ends[g.nodes[-1]].append(g)
+    runs = max([len(g.nodes) for gs in ends.values() for g in gs], default=1)
     sink = 1 + k * D * runs
 
     def state(i: int, d: int, run: int) -> int:
@@ -156,9 +161,9 @@ def _graph(
         """Compute time of position i on d after `run` consecutive positions there."""
         v = comp[i]
         ms = model.cost[v, d]
-        g = groups.get(v)
-        if g is not None and run >= len(g.nodes) and not np.isnan(g.delta[d]):
-            ms += g.delta[d]
+        for g in ends.get(v, ()):
+            if run >= len(g.nodes) and not np.isnan(g.delta[d]):
+                ms += g.delta[d]
         return float(ms)
 
     tail, head, pos, dev, loads, times, mems = [], [], [], [], [], [], []

@@ -2,26 +2,30 @@
 devices) with random costs, their objective equals brute force for every objective, and no
 placement they return breaks a pin (an allowed-device restriction) or a memory limit. DAGs of
 parallel chains (identical copies among them) are solved as branch classes, and are tested as
-such too."""
+such too. A fused window is priced, as build_model prices it, by one group or by one group per
+device kind that has the fused kernel (several groups ending at one node)."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from nicoffload.graph import load_pipeline
 from nicoffload.planner.branches import chain_classes
-from nicoffload.planner.cost import CostModel, Group, TensorRef, routes
+from nicoffload.planner.cost import Catalog, CostModel, Group, TensorRef, build_model, routes
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, brute_force, evaluate
 from nicoffload.planner.flow import placement
 from nicoffload.planner.milp import solve_milp, solve_nodes
 from nicoffload.planner.search import pack
-from nicoffload.planner.solve import solve
-from nicoffload.topology import Device, Link, Topology
+from nicoffload.planner.solve import plan_for, resolve_profiles, solve
+from nicoffload.profiles import SHIPPED_DIR
+from nicoffload.topology import Device, Link, Topology, load_topology
 
 SETTINGS = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -76,6 +80,22 @@ def _model(topo, rt, cost, groups, refs, mem, mem_cap) -> CostModel:
     )
 
 
+def fused_groups(
+    topo: Topology, nodes: tuple[int, ...], own: np.ndarray, rng: np.random.Generator
+) -> list[Group]:
+    """A fused window's groups: its kernel costs from 10% more to 90% less than the nodes'
+    own costs `own` (per device), as a measured fused kernel does. One group, or, as
+    build_model makes them, one per device kind (each priced only on the devices of its kind),
+    which then all end at the same node."""
+    D = len(topo.devices)
+    delta = np.where(rng.random(D) < 0.3, np.nan, own * rng.uniform(-0.9, 0.1, D))
+    delta = np.where(np.isfinite(delta), delta, np.nan)
+    if rng.random() < 0.3:
+        return [Group(nodes, "a+b", delta)]
+    kinds = np.array([d.kind for d in topo.devices])
+    return [Group(nodes, "a+b", np.where(kinds == k, delta, np.nan)) for k in sorted(set(kinds))]
+
+
 def random_model(seed: int, chain: bool | None = None) -> CostModel:
     """A random DAG (or chain) of up to 8 nodes on a random topology, with random profiles."""
     rng = np.random.default_rng(seed)
@@ -99,8 +119,7 @@ def random_model(seed: int, chain: bool | None = None) -> CostModel:
     while v < n - 1:
         fusable = consumers[v] == (v + 1,) and preds[v + 1] == [v] and not refs[v + 1].output
         if fusable and rng.random() < 0.5:
-            delta = np.where(rng.random(D) < 0.3, np.nan, rng.uniform(-0.5, 0.2, D))
-            groups.append(Group((v, v + 1), "a+b", delta))
+            groups += fused_groups(topo, (v, v + 1), cost[v] + cost[v + 1], rng)
             v += 1
         v += 1
     mem = rng.uniform(1.0, 10.0, n)
@@ -156,8 +175,7 @@ def random_branches(seed: int) -> CostModel:
             consumers = () if last else (nodes[i + 1],)
             refs.append(TensorRef(f"n{v}", v, consumers, last, float(nbytes[i + 1])))
             if not last and not interleave and k == 0 and i == 0:
-                delta = np.where(rng.random(D) < 0.3, np.nan, rng.uniform(-0.5, 0.2, D))
-                groups.append(Group((v, v + 1), "a+b", delta))
+                groups += fused_groups(topo, (v, v + 1), kcost[i] + kcost[i + 1], rng)
     mem_cap = rng.choice([np.inf, np.inf, 0.4, 0.7, 0.9], D) * mem.sum()
     return _model(topo, rt, cost, groups, sorted(refs, key=lambda r: r.src), mem, mem_cap)
 
@@ -324,3 +342,99 @@ def test_the_packing_search_keeps_its_caps_and_never_returns_worse_than_its_star
     assert m.host[0] == pytest.approx(got.h, rel=1e-9, abs=1e-12)
     if start_ok:
         assert got.t <= m0.bottleneck[0] * (1 + 1e-9)
+
+
+# -- the shipped pipelines ----------------------------------------------------------------------
+# What random models missed and clip has: two branches (an image chain and a tokenizer), fused
+# windows priced by one group per device kind (host CPU and DPU both fuse resize+crop+normalize),
+# the decode at the size its kernel decodes to, transfer CPU on a TCP loopback.
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE_OPS = ("decode_image", "resize", "center_crop", "normalize")
+FUSED = (
+    ("resize", "center_crop", "normalize"),
+    ("resize", "center_crop"),
+    ("center_crop", "normalize"),
+)
+# The kernels the registry holds today, fixed so that these tests do not move with it.
+KERNELS = Catalog(
+    {
+        **{op: frozenset({"cpu", "dpu", "gpu"}) for op in IMAGE_OPS},
+        "tokenize": frozenset({"cpu", "dpu"}),
+    },
+    {kind: FUSED for kind in ("cpu", "dpu", "gpu")},
+)
+
+
+def local_like(host: int, dpu: int, gpu: bool = False) -> Topology:
+    """This machine's shape (topology.local_topology): host cores, an emulated DPU on loopback
+    TCP, maybe a GPU, with the shipped estimates, never this machine's measured profile."""
+    x86 = str(SHIPPED_DIR / "x86-server.json")
+    devices = [
+        Device("cpu", "cpu", host, float(host), profile=x86),
+        Device("dpu0", "dpu", dpu, float(dpu), profile=x86, emulated=True),
+    ]
+    links = [Link("dpu0", "cpu", "tcp", 2.5e9, 0.03, 0.25)]
+    if gpu:
+        devices.append(Device("gpu0", "gpu", 1, 1.0, profile=str(SHIPPED_DIR / "h100.json")))
+        links.append(Link("cpu", "gpu0", "pcie", 25e9, 0.005, 0.0))
+    return Topology("local-like", tuple(devices), tuple(links), "dpu0", "gpu0" if gpu else "cpu")
+
+
+TOPOLOGIES = {
+    "local 1+1": lambda: local_like(1, 1),
+    "local 2+2": lambda: local_like(2, 2),
+    "local 1+2": lambda: local_like(1, 2),
+    "local 8+8 gpu": lambda: local_like(8, 8, gpu=True),
+    **{
+        name: (lambda name=name: load_topology(ROOT / "pipelines" / "topologies" / f"{name}.yaml"))
+        for name in ("bluefield3-h100", "bluefield2-a100", "edge-25g", "host-only")
+    },
+}
+
+
+def _placed(model: CostModel, plan) -> np.ndarray:
+    return np.array([model.devices.index(plan.placement[n]) for n in model.nodes])
+
+
+@pytest.mark.parametrize("name", ["resnet50", "bert", "clip"])
+@pytest.mark.parametrize("where", sorted(TOPOLOGIES))
+def test_a_plan_of_a_shipped_pipeline_proven_optimal_is_the_brute_force_optimum(name, where):
+    """Brute force over every assignment of nodes to the devices they may use (every pin),
+    judged by the planner's own evaluator, for every objective."""
+    pipeline = load_pipeline(ROOT / "pipelines" / f"{name}.yaml")
+    topo = TOPOLOGIES[where]()
+    model = build_model(pipeline, topo, resolve_profiles(topo), KERNELS)
+    for objective in OBJECTIVES:
+        goal = Goal(objective)
+        plan = plan_for(pipeline, topo, objective=objective, catalog=KERNELS)
+        best = _primary(model, goal, brute_force(model, goal)[0])
+        got = _primary(model, goal, _placed(model, plan))
+        assert got <= best * (1 + 1e-6) + 1e-12, f"{objective}: beaten by a pinned placement"
+        assert plan.search["gap"] == 0, objective  # small enough to be proven at once
+        assert got == pytest.approx(best, rel=1e-6, abs=1e-12), objective
+
+
+def test_pinning_clip_to_the_best_placement_plans_nothing_better_than_clip_unpinned(tmp_path):
+    """The issue's check: clip planned unpinned ("proven optimal"), then with `placement:`
+    pins on the best placement brute force finds; the pinned plan is no better."""
+    topo = local_like(2, 2)
+    text = (ROOT / "pipelines" / "clip.yaml").read_text()
+    clip = load_pipeline(ROOT / "pipelines" / "clip.yaml")
+    model = build_model(clip, topo, resolve_profiles(topo), KERNELS)
+    for objective in OBJECTIVES:
+        goal = Goal(objective)
+        best = brute_force(model, goal)[0]
+        pins = ", ".join(
+            f"{n}: [{topo.devices[d].kind}:{topo.ids[d]}]"
+            for n, d in zip(model.nodes, best, strict=True)
+        )
+        path = tmp_path / f"clip-{objective}.yaml"
+        path.write_text(f"{text}placement: {{{pins}}}\n")
+        pinned = plan_for(load_pipeline(path), topo, objective=objective, catalog=KERNELS)
+        free = plan_for(clip, topo, objective=objective, catalog=KERNELS)
+        assert _placed(model, pinned).tolist() == best.tolist()
+        assert (
+            _primary(model, goal, _placed(model, free))
+            <= _primary(model, goal, best) * (1 + 1e-6) + 1e-12
+        ), objective
