@@ -42,19 +42,23 @@ def runnable(model: CostModel, placement: Sequence[int]) -> bool:
 class Runnable:
     """The best runnable placement, the best other one (None when there is none), and how many
     of the shapes a placement can take (cuts into a DPU prefix on one DPU, host CPU nodes and a
-    GPU suffix on one GPU) were solved before the time limit: all of them makes it exact."""
+    GPU suffix on one GPU) were solved before the time limit: all of them, each proven, makes
+    it exact. `gaps`: what is proven of `best` among runnable placements, as the MILP's gaps
+    (objective, tie-break): the largest any cut left; inf for a cut unsolved or unsearched."""
 
     best: np.ndarray | None
     second: np.ndarray | None
     shapes: int
     searched: int
+    gaps: tuple[float, float] = (0.0, 0.0)
 
 
 def best_runnable(
     model: CostModel, goal: Goal, allowed: np.ndarray, time_limit: float = 20.0
 ) -> Runnable:
     """The best placement of each shape the kernels allow, within `time_limit` for them all."""
-    from nicoffload.planner.solve import solve
+    from nicoffload.planner.dp import is_chain, solve_chain
+    from nicoffload.planner.milp import solve_milp
 
     deadline = time.perf_counter() + time_limit
     n, kinds = model.n, np.array([device_kind(d) for d in model.devices])
@@ -62,7 +66,7 @@ def best_runnable(
     on_cpu = kinds == "cpu"
     cuts = list(_cuts(allowed, dpus, gpus, on_cpu))
     found: dict[bytes, np.ndarray] = {}
-    searched = 0
+    searched, gap, tie, chain = 0, 0.0, 0.0, is_chain(model)
     for i, j, dpu, gpu in cuts:
         left = deadline - time.perf_counter()
         if left <= 0:
@@ -73,19 +77,25 @@ def best_runnable(
         mask[i:j] &= on_cpu
         if j < n:
             mask[j:] &= np.arange(len(kinds)) == gpu
-        p = solve(model, goal, mask, time_limit=left)
+        if chain:
+            p = solve_chain(model, goal, mask)
+        else:
+            result = solve_milp(model, goal, mask, time_limit=left)
+            p = result.placement
+            solved = p is not None or result.status == "infeasible"
+            gap = max(gap, result.gap if solved else np.inf)
+            tie = max(tie, result.tie_gap if p is not None else 0.0)
         searched += 1
         if p is not None and runnable(model, p):
             found[np.asarray(p, np.int8).tobytes()] = np.asarray(p)
-    if not found:
-        return Runnable(None, None, len(cuts), searched)
+    gaps = (gap, tie) if searched == len(cuts) else (np.inf, np.inf)
     P = np.array(list(found.values()))
-    first = best_row(evaluate(model, P), goal)
+    first = best_row(evaluate(model, P), goal) if found else None
     if first is None:
-        return Runnable(None, None, len(cuts), searched)
+        return Runnable(None, None, len(cuts), searched, gaps)
     rest = np.delete(P, first, axis=0)
     second = best_row(evaluate(model, rest), goal) if len(rest) else None
-    return Runnable(P[first], None if second is None else rest[second], len(cuts), searched)
+    return Runnable(P[first], None if second is None else rest[second], len(cuts), searched, gaps)
 
 
 def _cuts(
@@ -119,6 +129,18 @@ def _cuts(
                     yield i, j, dpu, gpu
 
 
+@dataclass(frozen=True)
+class Shaped:
+    """The placement to plan, its runner-up when that was found on the way, the notes that say
+    what its shape costs, and, when it is the best of the shapes the runtime runs instead of
+    the best overall, what is proven of it among those (`Runnable.gaps`; None otherwise)."""
+
+    best: np.ndarray
+    second: np.ndarray | None
+    notes: tuple[str, ...]
+    runnable_gaps: tuple[float, float] | None = None
+
+
 def plan_shape(
     model: CostModel,
     goal: Goal,
@@ -126,15 +148,14 @@ def plan_shape(
     best: np.ndarray,
     only_runnable: bool,
     limit: float,
-) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...]]:
+) -> Shaped:
     """The placement to plan: `best`, or with `only_runnable` and `best` of a shape the runtime
-    does not run, the best runnable one; its runner-up when that was found on the way; and the
-    notes that say so."""
+    does not run, the best runnable one."""
     if runnable(model, best):
-        return best, None, ()
+        return Shaped(best, None, ())
     shape = shape_text(stage_kinds(model, best))
     if not only_runnable:
-        return (
+        return Shaped(
             best,
             None,
             (
@@ -174,7 +195,7 @@ def plan_shape(
             f"{found.shapes} shapes this DAG can take: this plan is the best of those, not "
             "proven the best runnable one",
         )
-    return chosen, second, notes
+    return Shaped(chosen, second, notes, found.gaps)
 
 
 def shape_text(kinds: Sequence[str]) -> str:

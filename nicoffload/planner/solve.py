@@ -305,7 +305,8 @@ def plan_for(
         raise _diagnose(pipeline, model, goal, allowed, cli)
     from nicoffload.planner.shapes import plan_shape
 
-    best, second, shape_notes = plan_shape(model, goal, allowed, best, runnable, left())
+    shaped = plan_shape(model, goal, allowed, best, runnable, left())
+    best, second, shape_notes = shaped.best, shaped.second, shaped.notes
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes + shape_notes)
     if explain:
         from nicoffload.planner.explain import explanation
@@ -316,19 +317,24 @@ def plan_for(
         elif second is None:
             missing = "no other placement of a shape the runtime runs"
         plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
-    return replace(plan, search=_search_record(chain, gaps, start, time_limit_s))
+    if shaped.runnable_gaps is not None:  # proven among the shapes it runs, not overall
+        gaps = shaped.runnable_gaps
+    record = _search_record(chain, gaps, start, time_limit_s, shaped.runnable_gaps is not None)
+    return replace(plan, search=record)
 
 
 def _search_record(
-    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float
+    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float, shapes: bool
 ) -> dict:
-    """Plan.search: how the placement was found and what is proven of it."""
+    """Plan.search: how the placement was found and what is proven of it (with `shapes`:
+    among the placements of a shape the runtime runs only)."""
 
     def proven(gap: float) -> float | None:  # a gap of 1 or more bounds nothing
         return round(float(gap), 6) if gap < 1 else None
 
+    method = "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)"
     return {
-        "method": "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)",
+        "method": method + (", per shape the runtime runs" if shapes else ""),
         "seconds": round(time.perf_counter() - start, 3),
         "time_limit_s": time_limit_s,
         "gap": proven(gaps[0]),

@@ -57,6 +57,17 @@ def test_the_planner_and_the_executor_agree_on_what_runs(topo: Path) -> None:
     assert "gpu -> cpu" in note and "the best one it runs" in note
 
 
+def test_a_runnable_plan_that_is_not_the_best_overall_is_proven_only_among_runnable_shapes(
+    topo: Path,
+) -> None:
+    pipeline = load_pipeline("pipelines/resnet50.yaml")
+    free = plan_for(pipeline, topo)
+    ran = plan_for(pipeline, topo, runnable=True)
+    assert free.search["method"] == "dynamic programming" and free.search["gap"] == 0
+    assert ran.search["method"] == "dynamic programming, per shape the runtime runs"
+    assert ran.search["gap"] == 0  # every cut searched, each exact
+
+
 def test_runnable_plans_are_the_best_runnable_placement(topo: Path) -> None:
     pipeline = load_pipeline("pipelines/resnet50.yaml")
     t = load_topology(topo)
