@@ -137,6 +137,8 @@ def tokenize_cpu(nodes, consumers):
                 raise ItemError("bad_text", f"not UTF-8: {exc}") from None
         try:
             enc = tok.encode(text, add_special_tokens=special)
+        except TypeError:
+            raise  # not a text at all: the caller's bug, which fails the run with its cause
         except Exception as exc:  # the load-time check makes this rare: one text, not the run
             raise ItemError("tokenize_failed", str(exc)) from None
         ids, mask = out if out is not None else (np.empty(n, dtype), np.empty(n, dtype))
