@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.errors import DeviceError
+from nicoffload.errors import DeviceError, Mark, UserError
 from nicoffload.graph import Pipeline, load_pipeline
 from nicoffload.inputs import values_items
 from nicoffload.planner.plan import Plan, StagePlan
@@ -127,6 +127,7 @@ def prepare(
         pipeline = load_pipeline(pipeline)
     if isinstance(topology, (str, Path)):
         topology = load_topology(topology)
+    source: str | None = None  # where a given plan came from: its devices are checked
     if plan is None:
         from nicoffload.planner import plan_for
 
@@ -138,9 +139,43 @@ def prepare(
         source = str(plan)
         plan = Plan.load(plan)
         plan.check_matches(pipeline, source)
+    else:
+        source = "<plan>"
     if topology is None and plan.topology == "local":
         topology = local_topology()
-    return Prepared(pipeline, plan, topology, token_file)
+    prep = Prepared(pipeline, plan, topology, token_file)
+    if source is not None:
+        check_plan_devices(prep, source)
+    return prep
+
+
+def check_plan_devices(prep: Prepared, plan_file: str) -> None:
+    """A plan that places a stage on a device the topology lacks is the user's mistake: the
+    plan was made for another topology."""
+    topo = prep.topology
+    for st in prep.plan.stages:
+        if topo is not None and st.device in topo.ids:
+            continue
+        if topo is None and st.kind != "dpu":  # the host and its GPU need no topology
+            continue
+        what = f"the plan places stage '{st.name}' ({', '.join(st.nodes)}) on device '{st.device}'"
+        if topo is None:
+            raise UserError(
+                f"{what} of topology '{prep.plan.topology}'; give that topology (--topology) "
+                "so the run knows where its agent listens",
+                Mark(plan_file, 1, 1),
+            )
+        label = (
+            "this machine's topology (autodetected)"
+            if topo.source == "local"
+            else f"topology '{topo.name}' ({topo.source})"
+        )
+        raise UserError(
+            f"{what}, which {label} lacks (it has "
+            f"{', '.join(topo.ids)}); plan it again for this topology, or run with the topology "
+            f"it was made for ('{prep.plan.topology}')",
+            Mark(plan_file, 1, 1),
+        )
 
 
 @contextlib.contextmanager

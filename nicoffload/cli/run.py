@@ -15,7 +15,7 @@ from nicoffload.cli import app, busy, emit_json, handle_errors
 from nicoffload.errors import Mark, RunFailed, UserError
 from nicoffload.inputs import dir_items, sample_items
 from nicoffload.outputs import OutputWriter
-from nicoffload.runner import Prepared, RunStats, prepare, stream
+from nicoffload.runner import RunStats, prepare, stream
 
 
 def summary_table(stats: RunStats) -> Table:
@@ -73,35 +73,6 @@ def check_token_file(token_file: Path | None) -> None:
             f"--token-file: cannot read the token file: {exc.strerror or exc}",
             Mark(str(token_file), 1, 1),
         ) from None
-
-
-def check_plan_devices(prep: Prepared, plan_file: Path) -> None:
-    """A plan that places a stage on a device the topology lacks is the user's mistake: the
-    plan was made for another topology."""
-    topo = prep.topology
-    for st in prep.plan.stages:
-        if topo is not None and st.device in topo.ids:
-            continue
-        if topo is None and st.kind != "dpu":  # the host and its GPU need no topology
-            continue
-        what = f"the plan places stage '{st.name}' ({', '.join(st.nodes)}) on device '{st.device}'"
-        if topo is None:
-            raise UserError(
-                f"{what} of topology '{prep.plan.topology}'; give that topology (--topology) "
-                "so the run knows where its agent listens",
-                Mark(str(plan_file), 1, 1),
-            )
-        label = (
-            "this machine's topology (autodetected)"
-            if topo.source == "local"
-            else f"topology '{topo.name}' ({topo.source})"
-        )
-        raise UserError(
-            f"{what}, which {label} lacks (it has "
-            f"{', '.join(topo.ids)}); plan it again for this topology, or run with the topology "
-            f"it was made for ('{prep.plan.topology}')",
-            Mark(str(plan_file), 1, 1),
-        )
 
 
 def failed_items(doc: dict[str, Any], strict: bool) -> str | None:
@@ -173,8 +144,6 @@ def run(
     check_token_file(token_file)
     with busy("planning" if plan is None else "loading the plan"):
         prep = prepare(pipeline, plan, topology, token_file)
-    if plan is not None:
-        check_plan_devices(prep, plan)
     pl = prep.pipeline
     err = Console(stderr=True)
     if sample is not None:

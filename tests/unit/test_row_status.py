@@ -169,3 +169,16 @@ def test_rows_refused_while_the_agent_drains_run_on_the_host_and_stop_new_submit
     )
     assert rows == [(0, None)] and on_host == [1, 2]
     assert front.alive and not front.accepting and "draining" in front.refusing
+
+
+def test_the_python_api_refuses_a_plan_for_a_device_the_topology_lacks(tmp_path):
+    from nicoffload.errors import UserError
+    from nicoffload.planner.plan import single_device_plan
+    from nicoffload.topology import Device, Topology
+
+    pipeline = nicoffload.load_pipeline(pipeline_file(tmp_path))
+    plan = single_device_plan(pipeline, "dpu0")
+    host = Topology("host", (Device("cpu", "cpu", 1, 1.0),), (), "cpu", "cpu", "host.yaml")
+    with pytest.raises(UserError, match="lacks") as info:
+        nicoffload.run(pipeline, TEXTS, plan=plan, topology=host)
+    assert info.value.exit_code == 2
