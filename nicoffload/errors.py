@@ -13,7 +13,7 @@
     │   │   └── FrameError          a malformed or unexpected frame on the wire
     │   ├── AgentError              the DPU agent refused or failed a request
     │   └── RunFailed               a run's items failed: every one, or any under `run --strict`
-    └── ItemError                   one item failed (a corrupt JPEG); counted, never fatal to a run
+    └── ItemError                   one item failed (a corrupt JPEG); counted; fatal only under run --strict
 
 Foreign exceptions are mapped at the boundary (`raise TransportError(...) from exc`).
 """

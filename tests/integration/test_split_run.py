@@ -139,3 +139,18 @@ def test_a_dpu_stage_feeding_the_gpu_stage_directly_hands_it_every_row(
     assert front.transfer.items == len(items)  # every row came from the agent
     assert all(ok.all() for ok, _ in batches)
     np.testing.assert_array_equal(np.concatenate([p for _, p in batches]), host_outputs[:150])
+
+
+def test_a_token_the_agent_refuses_is_the_users_mistake_naming_the_token_file(
+    images, token_file, tmp_path
+):
+    from nicoffload.errors import UserError
+
+    other = tmp_path / "other.token"
+    auth.write_token(other)
+    with LocalAgent(token_file, cores=1) as agent, pytest.raises(UserError) as info:
+        nicoffload.run(
+            PIPELINE, images[:4], plan=split_plan(), topology=topology_for(agent), token_file=other
+        )
+    assert info.value.exit_code == 2
+    assert "refused this token" in str(info.value) and str(other) in str(info.value)
