@@ -70,7 +70,9 @@ def bind_steps(
                 raise DeviceError(f"node '{nodes[i].name}': {exc.args[0]}") from None
         chain = nodes[i : i + len(chosen.ops)]
         last = chain[-1]
-        consumers = pipeline.consumers(last.name)
+        # with PIPELINE_OUTPUT when the chain's output is a pipeline output: a decoder whose
+        # image is returned decodes it at full size, not DCT-scaled for the resize after it
+        consumers = ops.kernel_consumers(pipeline, last.name)
         steps.append(
             Step(
                 name="+".join(n.name for n in chain),

@@ -187,3 +187,42 @@ def test_a_gpu_decoder_is_priced_at_full_size_where_the_cpu_one_scales(tmp_path)
     v = model.nodes.index("decode")
     assert model.cost[v, 0] == pytest.approx(profiles["cpu"].kernel("decode_image").ms(240 * 320))
     assert model.cost[v, 2] == pytest.approx(profiles["gpu0"].kernel("decode_image").ms(960 * 1280))
+
+
+def test_a_decoded_image_that_is_an_output_is_full_size_though_a_resize_reads_it(tmp_path):
+    """The decoder may decode smaller (in the DCT domain) for a resize that reads it, but not
+    when its own image is returned too: that output must be the image, not a thumbnail."""
+    import simplejpeg
+
+    import nicoffload
+
+    image = np.random.default_rng(0).integers(0, 255, (1024, 1536, 3), dtype=np.uint8)
+    jpeg = simplejpeg.encode_jpeg(image, quality=90)
+    both = tmp_path / "both.yaml"
+    both.write_text(
+        """
+name: both
+inputs: {image: {kind: bytes, format: jpeg}}
+nodes:
+  - {name: decode, op: decode_image, in: image}
+  - {name: small, op: resize, in: decode, params: {size: [64, 96]}}
+outputs: {full: decode, small: small}
+batch: {max_size: 2, max_wait_ms: 2}
+"""
+    )
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(
+        """
+name: alone
+inputs: {image: {kind: bytes, format: jpeg}}
+nodes:
+  - {name: decode, op: decode_image, in: image}
+outputs: {full: decode}
+batch: {max_size: 2, max_wait_ms: 2}
+"""
+    )
+    got = nicoffload.run(both, [jpeg])
+    want = nicoffload.run(alone, [jpeg])
+    assert got.ok.all() and want.ok.all()
+    assert got.outputs["full"][0].shape == (1024, 1536, 3)
+    np.testing.assert_array_equal(got.outputs["full"][0], want.outputs["full"][0])
