@@ -29,6 +29,7 @@ from dpu_agents.config import AgentConfig, load_config, split_hostport
 from dpu_agents.connection import Connection
 from dpu_agents.logs import Tally, log_event
 from dpu_agents.metrics import Metrics
+from dpu_agents.metrics_http import MetricsServer
 from dpu_agents.session import WorkerPool
 from nicoffload.errors import NicoffloadError, UserError
 from nicoffload.transport.frame import HEADER_SIZE
@@ -72,20 +73,21 @@ class Agent:
         self.address = f"{shown}:{self._listener.getsockname()[1]}"
         self._listener.setblocking(False)  # one acceptor; a connection gone before accept: no wait
         self._wake_r, self._wake_w = socket.socketpair()
-        self.pool = WorkerPool(config.cores or len(os.sched_getaffinity(0)))
-        self._http: Any = None
+        self._http: MetricsServer | None = None
         self.metrics_address = ""
-        if config.metrics:
-            self._start_metrics(config.metrics)
+        try:
+            if config.metrics:
+                self._http = _metrics_server(config, self.metrics)
+                self.metrics_address = self._http.address
+            self.pool = WorkerPool(config.cores or len(os.sched_getaffinity(0)))
+        except BaseException:
+            if self._http is not None:
+                self._http.close()
+            for s in (self._listener, self._wake_r, self._wake_w):
+                s.close()
+            raise
         self._acceptor = threading.Thread(target=self._accept_loop, name="accept", daemon=True)
         self._acceptor.start()
-
-    def _start_metrics(self, where: str) -> None:
-        from prometheus_client import start_http_server
-
-        host, port = split_hostport(where, "metrics")
-        self._http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
-        self.metrics_address = f"{host}:{self._http.server_port}"
 
     def _accept_loop(self) -> None:
         """Accept until stopped. Whatever fails is logged (counted) and retried after a back-off
@@ -199,8 +201,7 @@ class Agent:
             c.thread.join(max(0.1, deadline - time.monotonic()))
         self.pool.close()
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
         for s in (self._listener, self._wake_r, self._wake_w):
             s.close()
         self.refusals.flush(force=True)
@@ -212,6 +213,22 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _metrics_server(cfg: AgentConfig, metrics: Metrics) -> MetricsServer:
+    host, port = split_hostport(cfg.metrics, "metrics")
+    token = auth.read_token(cfg.metrics_token_file) if cfg.metrics_token_file else None
+    try:
+        return MetricsServer(
+            host,
+            port,
+            metrics.registry,
+            limit=cfg.metrics_max_connections,
+            timeout_s=cfg.metrics_timeout_s,
+            token=token,
+        )
+    except OSError as exc:
+        raise NicoffloadError(f"agent: cannot serve metrics on {cfg.metrics}: {exc}") from exc
 
 
 def _sent_a_head(sock: socket.socket) -> bool:
@@ -256,7 +273,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="HOST:PORT to listen on (default 127.0.0.1:7070; port 0: any)")
     p.add_argument("--token-file", help="file holding the shared secret (mode 600)")
     p.add_argument("--cores", type=int, help="pin to N cores and run N worker threads")
-    p.add_argument("--metrics", help="HOST:PORT for the Prometheus endpoint")
+    p.add_argument("--metrics", help="HOST:PORT of the Prometheus endpoint (loopback by default)")
+    p.add_argument(
+        "--metrics-remote",
+        action="store_true",
+        default=None,
+        help="allow --metrics on an address other than loopback",
+    )
+    p.add_argument("--metrics-token-file", help="scrapes must send this token as a Bearer token")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -278,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             token_file=args.token_file,
             cores=args.cores,
             metrics=args.metrics,
+            metrics_remote=args.metrics_remote,
+            metrics_token_file=args.metrics_token_file,
             log_level=args.log_level,
         )
         logs.setup(cfg.log_level)

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -182,7 +184,7 @@ class Flood(threading.Thread):
         host, port = address.rsplit(":", 1)
         self.target, self.n, self.sources, self.send = (host, int(port)), n, sources, send
         self.stop = threading.Event()
-        self.held = self.reopened = 0
+        self.held = self.opened = self.reopened = 0
         self.error: BaseException | None = None
 
     def _open(self, source: str) -> socket.socket | None:
@@ -213,6 +215,7 @@ class Flood(threading.Thread):
                         continue
                     socks[s.fileno()] = (s, source)
                     poller.register(s, select.POLLIN)
+                    self.opened += 1
                 wanted = failed
                 self.held = len(socks)
                 for fd, _ in poller.poll(20):
@@ -287,3 +290,61 @@ def test_idle_unauthenticated_sockets_cannot_keep_clients_out(
     lines = auth_log_lines(tmp_path)
     assert sum(d.get("count", 1) for d in lines) >= n, lines  # every refusal is counted...
     assert len(lines) <= 4, lines  # ...in a few lines, not one each
+
+
+# --- 3. the metrics endpoint -----------------------------------------------------------------
+
+
+def scrape(address: str, token: bytes | None = None) -> str:
+    req = urllib.request.Request(f"http://{address}/metrics")
+    if token is not None:
+        req.add_header("Authorization", "Bearer " + token.decode())
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_idle_metrics_connections_cannot_take_the_agents_descriptors(tmp_path, token_file) -> None:
+    """200 idle connections to the metrics port, reopened as they drop: the agent holds at most
+    its few metrics connections, logins and scrapes go on, and its accept loop does not spin."""
+    agent = start_agent(tmp_path, token_file, metrics="127.0.0.1:0")  # 4 connections at most
+    token = auth.read_token(token_file)
+    served(agent.address, token)
+    assert "nicoffload_agent_requests_total 4.0" in scrape(agent.metrics_address)
+    base = proc_status(agent.pid)
+    flood = Flood(agent.metrics_address, 200, ["127.0.0.1"])
+    flood.start()
+    try:
+        deadline = time.monotonic() + 10
+        while flood.opened < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert flood.opened >= 50, flood.opened  # at least: the old server accepted slowly
+        assert logins(agent.address, token, 10) == []
+        served(agent.address, token)
+        for _ in range(5):
+            assert "nicoffload_agent_requests_total 8.0" in scrape(agent.metrics_address)
+        during = proc_status(agent.pid)
+    finally:
+        flood.finish()
+    assert during["fds"] - base["fds"] <= 3 * 4 + 4, (base, during)
+    assert during["threads"] - base["threads"] <= 4, (base, during)
+
+
+def test_metrics_can_require_a_bearer_token(tmp_path, token_file) -> None:
+    secret = tmp_path / "metrics.token"
+    scrape_token = auth.write_token(secret)
+    config = f'metrics_token_file = "{secret}"\n'
+    agent = start_agent(tmp_path, token_file, config, metrics="127.0.0.1:0")
+    try:
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            scrape(agent.metrics_address)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            scrape(agent.metrics_address, b"a wrong token, of the right size, nearly")
+        assert "nicoffload_agent_connections" in scrape(agent.metrics_address, scrape_token)
+    finally:
+        assert agent.stop(timeout=15) == 0
+
+
+def test_metrics_off_loopback_need_the_operators_opt_in(tmp_path, token_file) -> None:
+    with pytest.raises(AgentError, match="code 2"):
+        start_agent(tmp_path, token_file, metrics="0.0.0.0:0")
+    assert "metrics_remote = true" in (tmp_path / "agent.log").read_text()
