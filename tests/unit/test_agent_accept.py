@@ -17,6 +17,7 @@ import pytest
 from dpu_agents.config import AgentConfig
 from dpu_agents.server import Agent
 from nicoffload.agent_client import AgentClient
+from nicoffload.errors import AgentError
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
@@ -132,3 +133,11 @@ def test_the_metrics_endpoint_backs_off_failed_accepts_and_recovers(agent, monke
         assert b"nicoffload_agent_requests_total" in urllib.request.urlopen(url, timeout=5).read()
     finally:
         waiting.close()
+
+
+def test_past_the_session_pool_a_client_is_told_after_it_authenticates() -> None:
+    cfg = AgentConfig(listen="127.0.0.1:0", cores=1, max_connections=1)
+    with Agent(cfg, TOKEN) as agent, AgentClient(agent.address, TOKEN, timeout=5) as first:
+        with pytest.raises(AgentError, match=r"too many connections \(1 sessions\)"):
+            AgentClient(agent.address, TOKEN, timeout=5)
+        assert first.stats()["errors"] == {"too_many_connections": 1}
