@@ -28,8 +28,9 @@ from PIL import Image
 import nicoffload
 from nicoffload.planner import plan_for
 from nicoffload.profiles import load_profile, measured_path
-from nicoffload.runner import RunStats, prepare, stream
+from nicoffload.runner import RunStats, prepare
 from nicoffload.samples import sample_image
+from nicoffload.session import stream
 from nicoffload.topology import local_topology
 
 PIPELINE = "pipelines/resnet50.yaml"

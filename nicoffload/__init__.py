@@ -11,7 +11,8 @@ from nicoffload.errors import (
 )
 from nicoffload.graph import Node, Pipeline, TensorSpec, load_pipeline
 from nicoffload.planner.plan import Plan
-from nicoffload.runner import RunResult, RunStats, run
+from nicoffload.runner import RunResult, RunStats
+from nicoffload.session import Session, SessionClosed, open, run
 
 
 def __getattr__(name: str):
@@ -35,6 +36,8 @@ __all__ = [
     "PlanError",
     "RunResult",
     "RunStats",
+    "Session",
+    "SessionClosed",
     "SpecError",
     "SystemFailure",
     "TensorSpec",
@@ -42,5 +45,6 @@ __all__ = [
     "UserError",
     "__version__",
     "load_pipeline",
+    "open",
     "run",
 ]

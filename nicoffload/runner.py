@@ -1,15 +1,12 @@
-"""The public way to run a pipeline from Python: `nicoffload.run(pipeline, items)`.
-
-It plans (or takes a plan), builds the executor, streams the items, and returns the outputs as
-numpy arrays with per-item status and the run's measurements (`RunStats`, the `run --json` shape).
+"""What a run is: its plan and devices (`prepare`), the agent serving its DPU stage
+(`open_front`), and what it returns (`RunResult`, with `RunStats`, the `run --json` shape).
+`nicoffload.session` runs it: `nicoffload.open` / `nicoffload.run`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +15,8 @@ import numpy as np
 
 from nicoffload.errors import DeviceError, Mark, UserError
 from nicoffload.graph import Pipeline, load_pipeline
-from nicoffload.inputs import values_items
 from nicoffload.planner.plan import Plan, StagePlan
-from nicoffload.runtime.executor import Batch, Executor, ItemFailure
+from nicoffload.runtime.executor import ItemFailure
 from nicoffload.runtime.remote import RemoteFront
 from nicoffload.topology import Topology
 
@@ -41,6 +37,7 @@ class RunStats:
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     failover: str | None = None  # why the DPU agent's items were taken back to the host
     batches: int = 0
+    setup_s: float = 0.0  # opening the session (agent start, LOAD, binding): not per item
 
     @property
     def throughput_per_s(self) -> float:
@@ -71,6 +68,7 @@ class RunStats:
             "host_cpu_ms_per_item": round(self.host_cpu_ms_per_item, 4),
             "wall_s": round(self.wall_s, 4),
             "batches": self.batches,
+            "setup_s": round(self.setup_s, 4),
         }
 
 
@@ -220,156 +218,3 @@ def _transport(prep: Prepared, first: StagePlan) -> str:
         ends = {first.device, dst}
         link = next((ln.transport for ln in prep.topology.links if {ln.a, ln.b} == ends), "tcp")
     return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"
-
-
-def _stage_doc(
-    stage: StagePlan,
-    measured: float,
-    steps: dict[str, float] | None,
-    wall: float | None = None,
-) -> dict[str, Any]:
-    """A stage of `run --json`. On CPU and DPU devices `ms_per_item` is the CPU time its kernels
-    took per item in the worker that ran them (core-ms, the unit the planner predicts in) and
-    `wall_ms_per_item` the same calls by the wall clock; GPU stages report their own time."""
-    predicted = stage.predicted_ms_per_item
-    doc: dict[str, Any] = {
-        "device": stage.device,
-        "nodes": list(stage.nodes),
-        "ms_per_item": round(measured, 4),
-        "predicted_ms_per_item": None if predicted is None else round(predicted, 4),
-        "error_pct": None
-        if predicted is None or measured == 0
-        else round(100 * (predicted - measured) / measured, 1),
-    }
-    if wall is not None:
-        doc["wall_ms_per_item"] = round(wall, 4)
-    if steps is not None:
-        doc["steps"] = {k: round(v, 4) for k, v in steps.items()}
-    return doc
-
-
-def _finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> None:
-    if front is not None:
-        remote = front.remote_stats()
-        steps = {k: float(v["cpu_ms"]) for k, v in remote.get("steps", {}).items()}
-        stats.stages[front.stage.name] = _stage_doc(
-            front.stage,
-            float(remote.get("cpu_ms_per_item", 0.0)),
-            steps or None,
-            float(remote.get("wall_ms_per_item", 0.0)),
-        )
-        t = front.transfer
-        for tr in ex.plan.transfers:
-            if tr.src_stage == front.stage.name:
-                stats.transfers[f"{tr.src_stage}->{tr.dst_stage}"] = {
-                    "tensor": tr.tensor,
-                    "transport": tr.transport,
-                    "batches": t.batches,
-                    "bytes_per_item": round(t.bytes / t.items) if t.items else 0,
-                    # what the plan assumed (the pipeline's `typical` input): a measured size far
-                    # from it explains a stage's time far from its prediction
-                    "predicted_bytes_per_item": tr.bytes_per_item,
-                    "ms_per_batch": round(t.flight_ns / t.timed / 1e6, 4) if t.timed else None,
-                    "predicted_ms_per_item": tr.predicted_ms_per_item,
-                }
-                if front.landing is not None:  # the outputs went straight to the GPU stage
-                    stats.transfers[f"{tr.src_stage}->{tr.dst_stage}"]["gpu_landing"] = {
-                        "destination": front.destination.kind,
-                        "reason": front.destination.reason,
-                        "batches": front.landing.copies,
-                        "bytes": front.landing.bytes,
-                    }
-        if ex.failed_over:
-            stats.failover = (
-                f"{ex.failed_over} ({ex.taken_back} items ran stage '{front.stage.name}' on the "
-                "host instead)"
-            )
-    for plan, times in ex.step_times():
-        cpu = {k: t.cpu_ms for k, t in times.items()}
-        wall = sum(t.wall_ms for t in times.values())
-        stats.stages[plan.name] = _stage_doc(plan, sum(cpu.values()), cpu, wall)
-    if ex.gpu is not None:
-        mine = ex.gpu.step_ms_per_item()
-        stats.stages[ex.gpu.plan.name] = _stage_doc(ex.gpu.plan, float(sum(mine.values())), mine)
-
-
-def stream(
-    prep: Prepared,
-    items: Iterable[tuple[str, Any]],
-    stats: RunStats,
-    *,
-    workers: int | None = None,
-) -> Iterator[Batch]:
-    """Run and yield batches; `stats` is filled as the run goes and complete at the end."""
-    if workers is None and prep.topology is not None and "cpu" in prep.topology.ids:
-        # the host's share of the cores: an emulated DPU's agent is pinned to the others
-        workers = prep.topology.device("cpu").cores
-    with (
-        open_front(prep) as front,
-        Executor(prep.pipeline, prep.plan, workers=workers, front=front) as ex,
-    ):
-        stats.placement = dict(prep.plan.placement)
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        reasons: Counter[str] = Counter()
-        for batch in ex.stream(items):
-            stats.items += len(batch)
-            stats.batches += 1
-            stats.errors += len(batch.failures)
-            reasons.update(f.reason for f in batch.failures)
-            for f in batch.failures:
-                stats.error_examples.setdefault(f.reason, f"{f.name}: {f.detail}")
-            stats.latencies_s.extend(batch.latencies_s.tolist())
-            stats.wall_s = time.perf_counter() - t0
-            yield batch
-        stats.wall_s = time.perf_counter() - t0
-        stats.host_cpu_s = time.process_time() - cpu0
-        stats.errors_by_reason = dict(reasons)
-        _finish_stats(stats, ex, front)
-
-
-def run(
-    pipeline: Pipeline | str | Path,
-    inputs: Iterable[Any],
-    *,
-    plan: Plan | str | Path | None = None,
-    topology: str | Path | None = None,
-    token_file: str | Path | None = None,
-    workers: int | None = None,
-) -> RunResult:
-    """Run a pipeline over `inputs` and return every output as numpy arrays in item order.
-
-    `inputs`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name to
-    value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`, not raised.
-    """
-    prep = prepare(pipeline, plan, topology, token_file)
-    pipeline = prep.pipeline
-    stats = RunStats()
-    names: list[str] = []
-    parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
-    on_gpu: dict[str, list[Any]] = {}
-    oks, failures = [], []
-    for batch in stream(prep, values_items(pipeline, inputs), stats, workers=workers):
-        names.extend(batch.names)
-        oks.append(batch.ok.copy())
-        failures.extend(batch.failures)
-        for k, v in batch.outputs.items():
-            if hasattr(v, "is_cuda"):  # a GPU stage's tensor (fresh per batch): kept for torch()
-                on_gpu.setdefault(k, []).append(v)
-        for k, v in batch.numpy().outputs.items():
-            parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
-    specs = pipeline.output_specs()
-    outputs: dict[str, Any] = {}
-    for k, chunks in parts.items():
-        if specs[k].static:
-            outputs[k] = (
-                np.concatenate(chunks) if chunks else np.zeros((0, *specs[k].shape), specs[k].dtype)
-            )
-        else:
-            outputs[k] = [x for c in chunks for x in c]
-    ok = np.concatenate(oks) if oks else np.zeros(0, bool)
-    gpu_out: dict[str, Any] = {}
-    if on_gpu:
-        import torch
-
-        gpu_out = {k: torch.cat(v) for k, v in on_gpu.items()}
-    return RunResult(names, outputs, ok, failures, stats, gpu_out)

@@ -15,7 +15,8 @@ from nicoffload.cli import app, busy, emit_json, handle_errors
 from nicoffload.errors import Mark, RunFailed, UserError
 from nicoffload.inputs import dir_items, sample_items
 from nicoffload.outputs import OutputWriter
-from nicoffload.runner import RunStats, prepare, stream
+from nicoffload.runner import RunStats, prepare
+from nicoffload.session import stream
 
 
 def summary_table(stats: RunStats) -> Table:

@@ -72,6 +72,7 @@ class _Task:
     values: Mapping[str, Any]
     route: tuple[Stage, ...] = ()
     release: Callable[[], None] | None = None
+    rid: int = 0  # its request id at the DPU agent, once submitted
 
 
 def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:
@@ -143,6 +144,12 @@ class Executor:
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self.taken_back = 0  # how many items ran the DPU stage here instead
+
+    def begin_call(self) -> None:
+        """A new call of a session: its failover and transfer figures start afresh."""
+        self.failed_over, self.taken_back = None, 0
+        if self.front is not None:
+            self.front.begin_call()
 
     def __enter__(self) -> Executor:
         return self

@@ -1,7 +1,8 @@
 """RemoteFront: the leading DPU stage of a plan, run by a DPU agent.
 
-Items are submitted to the agent's ingress (request id = item index + 1); the agent writes the
-stage's outputs into a receiver this process listens on. Every submitted item stays in `pending`
+Items are submitted to the agent's ingress (request ids 1, 2, ... over the front's life, so
+across a session's calls); the agent writes the stage's outputs into a receiver this process
+listens on. Every submitted item stays in `pending`
 until its result is claimed, so when the agent dies the unclaimed items are handed back to run
 on the host, and a late result for an item already taken back is ignored: exactly once.
 """
@@ -79,7 +80,8 @@ class RemoteFront:
         self.landing = landing  # a GpuLanding over `receiver`, or None: rows stay in host memory
         self.destination = destination
         self.keys = keys  # the value keys the host needs from the stage
-        self.pending: dict[int, Any] = {}  # by item index, in submission order
+        self.pending: dict[int, Any] = {}  # by request id, in submission order
+        self._next_rid = 1
         self.lock = threading.Lock()
         self.dead: str | None = None
         self.refusing: str | None = None  # why the agent takes no new items (it drains)
@@ -102,11 +104,19 @@ class RemoteFront:
         """New items may go to the agent (alive, and not draining)."""
         return self.alive and self.refusing is None
 
+    def begin_call(self) -> None:
+        """A new call of a session: its transfers are counted afresh (request ids go on)."""
+        self.transfer = TransferStats()
+
     def submit(self, task: Any) -> None:
-        """Record then submit; AgentError leaves the task pending for `take_back`."""
+        """Record then submit; AgentError leaves the task pending for `take_back`. Request
+        ids increase over the front's life, across a session's calls (the agent refuses an id
+        it has seen)."""
         with self.lock:
-            self.pending[task.index] = task
-        self.client.submit(task.index + 1, task.values)
+            task.rid = self._next_rid
+            self._next_rid += 1
+            self.pending[task.rid] = task
+        self.client.submit(task.rid, task.values)
 
     def take_back(self, why: str) -> list[Any]:
         """The agent is gone: every unclaimed task, to be run on the host."""
@@ -158,16 +168,16 @@ class RemoteFront:
         claimed, skipped = [], []
         with self.lock:
             for row, rid in enumerate(ids):
-                task = self.pending.pop(rid - 1, None)
+                task = self.pending.pop(rid, None)
                 if task is not None:  # None: a duplicate, or an item already taken back
                     claimed.append((row, rid, task))
             # The agent forwards in the order it admits, and items are submitted in order on
             # one connection: a pending item older than the newest delivered one was skipped.
             last = max(ids, default=0)
-            for i in list(self.pending):
-                if i + 1 >= last:
+            for rid in list(self.pending):
+                if rid >= last:
                     break
-                skipped.append(self.pending.pop(i))
+                skipped.append(self.pending.pop(rid))
         if skipped:
             on_host(skipped, f"the agent skipped {len(skipped)} items without a result")
         t.items += len(claimed)

@@ -1,0 +1,230 @@
+"""A Session: a pipeline opened once (planned, its agent started or attached, its stage loaded,
+its receiver listening, its kernels bound) that then serves many calls.
+
+    with nicoffload.open("pipelines/resnet50.yaml") as s:
+        for batch in s.stream(items): ...      # batches as they complete
+        result = s.run(more_items)             # a RunResult
+        future = s.submit(even_more)           # a Future of a RunResult, for serving loops
+
+`nicoffload.run` is one call on a session of its own. Setting up is reported on its own
+(`setup_s`), never in a call's per-item figures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nicoffload.errors import SystemFailure
+from nicoffload.graph import Pipeline
+from nicoffload.inputs import values_items
+from nicoffload.planner.plan import Plan
+from nicoffload.report import finish_stats
+from nicoffload.runner import Prepared, RunResult, RunStats, open_front, prepare
+from nicoffload.runtime.executor import Batch, Executor
+
+
+class SessionClosed(SystemFailure):
+    """The session was closed before (or while) a call ran."""
+
+
+class Session:
+    """An open pipeline. Calls run one at a time, in the order they are made (`submit` queues
+    them); each call's items are numbered from 0 in its own RunResult."""
+
+    def __init__(self, prep: Prepared, *, workers: int | None = None) -> None:
+        self.prep = prep
+        if workers is None and prep.topology is not None and "cpu" in prep.topology.ids:
+            # the host's share of the cores: an emulated DPU's agent is pinned to the others
+            workers = prep.topology.device("cpu").cores
+        self._stack = contextlib.ExitStack()
+        self._lock = threading.Lock()  # one call at a time
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self._cancel = threading.Event()
+        self._active: Iterator[Batch] | None = None  # the latest stream() generator
+        t0 = time.perf_counter()
+        try:
+            self.front = self._stack.enter_context(open_front(prep))
+            self.executor = self._stack.enter_context(
+                Executor(prep.pipeline, prep.plan, workers=workers, front=self.front)
+            )
+        except BaseException:
+            self._stack.close()
+            raise
+        self.setup_s = time.perf_counter() - t0  # planning excluded: that is `prepare`'s
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.prep.pipeline
+
+    @property
+    def plan(self) -> Plan:
+        return self.prep.plan
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop: a call in flight ends early and raises SessionClosed, queued calls are
+        cancelled; then the agent, the receiver and the executor are closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel.set()
+        if self._active is not None:
+            # a stream left suspended (in this thread) ends here; one running in another
+            # thread (ValueError) sees the cancel and ends
+            with contextlib.suppress(ValueError):
+                self._active.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:  # the call in flight has stopped
+            self._stack.close()
+
+    def stream(self, items: Iterable[Any], stats: RunStats | None = None) -> Iterator[Batch]:
+        """Run `items` and yield their batches in order as they complete; `stats` (optional) is
+        filled as the call goes and complete at its end. Items: as for `run`. A batch's arrays
+        are views into a reused slot, valid until the next batch is asked for."""
+        gen = self._call(items, stats if stats is not None else RunStats())
+        self._active = gen
+        return gen
+
+    def _call(self, items: Iterable[Any], stats: RunStats) -> Iterator[Batch]:
+        with self._lock:
+            if self._closed:
+                raise SessionClosed("the session is closed")
+            yield from self._stream(values_items(self.pipeline, items), stats)
+
+    def _stream(self, items: Iterable[tuple[str, Any]], stats: RunStats) -> Iterator[Batch]:
+        ex, front = self.executor, self.front
+        ex.begin_call()
+        stats.setup_s = self.setup_s
+        stats.placement = dict(self.plan.placement)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        reasons: Counter[str] = Counter()
+
+        def until_closed() -> Iterator[tuple[str, Any]]:
+            for item in items:
+                if self._cancel.is_set():
+                    return
+                yield item
+
+        for batch in ex.stream(until_closed()):
+            stats.items += len(batch)
+            stats.batches += 1
+            stats.errors += len(batch.failures)
+            reasons.update(f.reason for f in batch.failures)
+            for f in batch.failures:
+                stats.error_examples.setdefault(f.reason, f"{f.name}: {f.detail}")
+            stats.latencies_s.extend(batch.latencies_s.tolist())
+            stats.wall_s = time.perf_counter() - t0
+            yield batch
+        stats.wall_s = time.perf_counter() - t0
+        stats.host_cpu_s = time.process_time() - cpu0
+        stats.errors_by_reason = dict(reasons)
+        finish_stats(stats, ex, front)
+        if self._cancel.is_set():
+            raise SessionClosed(
+                f"the session was closed during the call, after {stats.items} items"
+            )
+
+    def run(self, items: Iterable[Any]) -> RunResult:
+        """Run `items` and return every output as numpy arrays in item order.
+
+        `items`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name
+        to value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`."""
+        stats = RunStats()
+        return collect(self.pipeline, self.stream(items, stats), stats)
+
+    def submit(self, items: Iterable[Any]) -> concurrent.futures.Future[RunResult]:
+        """`run(items)` on the session's own thread; calls queue in submission order."""
+        if self._closed:
+            raise SessionClosed("the session is closed")
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "nicoffload-session")
+        return self._pool.submit(self.run, items)
+
+
+def open(
+    pipeline: Pipeline | str | Path,
+    plan: Plan | str | Path | None = None,
+    topology: Any = None,
+    *,
+    token_file: str | Path | None = None,
+    workers: int | None = None,
+) -> Session:
+    """Plan (unless given a plan), start or attach the agents, load the stages once, and return
+    the open Session (a context manager). Arguments as for `nicoffload.run`."""
+    return Session(prepare(pipeline, plan, topology, token_file), workers=workers)
+
+
+def run(
+    pipeline: Pipeline | str | Path,
+    inputs: Iterable[Any],
+    *,
+    plan: Plan | str | Path | None = None,
+    topology: Any = None,
+    token_file: str | Path | None = None,
+    workers: int | None = None,
+) -> RunResult:
+    """Run a pipeline over `inputs` on a session of its own and return every output as numpy
+    arrays in item order (see `Session.run`)."""
+    with open(pipeline, plan, topology, token_file=token_file, workers=workers) as session:
+        return session.run(inputs)
+
+
+def stream(
+    prep: Prepared,
+    items: Iterable[tuple[str, Any]],
+    stats: RunStats,
+    *,
+    workers: int | None = None,
+) -> Iterator[Batch]:
+    """One call on a session of its own: yield batches; `stats` is complete at the end."""
+    with Session(prep, workers=workers) as session:
+        yield from session.stream(items, stats)
+
+
+def collect(pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats) -> RunResult:
+    """A call's batches gathered into one RunResult (rows copied out of the reused slots)."""
+    names: list[str] = []
+    parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
+    on_gpu: dict[str, list[Any]] = {}
+    oks, failures = [], []
+    for batch in batches:
+        names.extend(batch.names)
+        oks.append(batch.ok.copy())
+        failures.extend(batch.failures)
+        for k, v in batch.outputs.items():
+            if hasattr(v, "is_cuda"):  # a GPU stage's tensor (fresh per batch): kept for torch()
+                on_gpu.setdefault(k, []).append(v)
+        for k, v in batch.numpy().outputs.items():
+            parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
+    specs = pipeline.output_specs()
+    outputs: dict[str, Any] = {}
+    for k, chunks in parts.items():
+        if specs[k].static:
+            outputs[k] = (
+                np.concatenate(chunks) if chunks else np.zeros((0, *specs[k].shape), specs[k].dtype)
+            )
+        else:
+            outputs[k] = [x for c in chunks for x in c]
+    ok = np.concatenate(oks) if oks else np.zeros(0, bool)
+    gpu_out: dict[str, Any] = {}
+    if on_gpu:
+        import torch
+
+        gpu_out = {k: torch.cat(v) for k, v in on_gpu.items()}
+    return RunResult(names, outputs, ok, failures, stats, gpu_out)

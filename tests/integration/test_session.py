@@ -1,0 +1,139 @@
+"""A Session: opened once (agent reached, stage loaded, receiver listening), then many calls.
+
+The DPU is a real agent process named in the topology as a real DPU, as in test_split_run."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import nicoffload
+from dpu_agents import auth
+from dpu_agents.local import LocalAgent
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.samples import sample_images
+from nicoffload.topology import Device, Link, Topology
+
+PIPELINE = load_pipeline("pipelines/resnet50.yaml")
+SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
+
+
+def split_plan() -> Plan:
+    stages, transfers = stages_for(PIPELINE, SPLIT)
+    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="test")
+
+
+def topology_for(agent: LocalAgent) -> Topology:
+    dpu = Device("dpu0", "dpu", 1, 1.0, address=agent.address)
+    cpu = Device("cpu", "cpu", 1, 1.0)
+    link = Link("dpu0", "cpu", "tcp", 1e9, 0.0, 0.0)
+    return Topology("test", (cpu, dpu), (link,), ingress="dpu0", egress="cpu", source="test")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [b for _, b in sample_images(100, seed=5)]
+
+
+@pytest.fixture(scope="module")
+def host_outputs(images):
+    result = nicoffload.run(PIPELINE, images, plan=single_device_plan(PIPELINE, "cpu"))
+    assert result.ok.all()
+    return result.outputs["pixels"]
+
+
+@pytest.fixture
+def agent(tmp_path):
+    token = tmp_path / "agent.token"
+    auth.write_token(token)
+    with LocalAgent(token, cores=1) as a:
+        a.token_file = token
+        yield a
+
+
+def open_split(agent: LocalAgent):
+    return nicoffload.open(
+        PIPELINE, split_plan(), topology_for(agent), token_file=agent.token_file, workers=2
+    )
+
+
+def test_a_session_serves_many_calls_on_one_agent_connection_and_one_load(
+    agent, images, host_outputs
+):
+    with open_split(agent) as session:
+        client = session.front.client
+        assert session.setup_s > 0
+        for lo, hi in [(0, 40), (40, 100), (10, 20)]:
+            result = session.run(images[lo:hi])
+            assert result.ok.all() and result.stats.failover is None
+            assert result.names == [str(i) for i in range(hi - lo)]  # numbered per call
+            np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[lo:hi])
+            assert session.front.transfer.items == hi - lo  # this call's transfers only
+            assert 1 <= result.stats.transfers["s0-dpu0->s1-cpu"]["batches"] <= hi - lo
+            assert result.stats.setup_s == session.setup_s  # reported, never per item
+        assert session.front.client is client and client.alive
+        assert agent.alive()
+        stats = client.stats()
+        (loaded,) = stats["sessions"].values()  # one LOAD served every call
+        assert loaded["admitted"] == 40 + 60 + 10 and stats["connections"] == 1
+
+
+def test_stream_yields_a_batch_before_the_call_has_all_its_items(agent, images):
+    first = threading.Event()
+
+    def items():
+        yield from images[:64]  # one full batch
+        assert first.wait(30), "no batch came before the last items were given"
+        yield from images[64:70]
+
+    with open_split(agent) as session:
+        got = 0
+        for batch in session.stream(items()):
+            first.set()
+            got += len(batch)
+            assert batch.ok.all()
+        assert got == 70
+
+
+def test_calls_submitted_together_run_in_order_and_each_returns_its_own_result(
+    agent, images, host_outputs
+):
+    with open_split(agent) as session:
+        futures = [session.submit(images[i : i + 25]) for i in (0, 25, 50, 75)]
+        for i, f in zip((0, 25, 50, 75), futures, strict=True):
+            result = f.result(timeout=120)
+            np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[i : i + 25])
+
+
+def test_closing_a_session_with_a_call_in_flight_ends_that_call_with_session_closed(agent, images):
+    session = open_split(agent)
+    started = threading.Event()
+
+    def slow_items():
+        for i in range(100_000):
+            started.set()
+            yield images[i % len(images)]
+
+    future = session.submit(slow_items())
+    assert started.wait(30)
+    session.close()
+    with pytest.raises(nicoffload.SessionClosed):
+        future.result(timeout=60)
+    with pytest.raises(nicoffload.SessionClosed):
+        session.run(images[:2])
+
+
+def test_the_agent_dying_between_calls_fails_the_next_call_over_to_the_host(
+    agent, images, host_outputs
+):
+    with open_split(agent) as session:
+        first = session.run(images[:30])
+        assert first.stats.failover is None
+        agent.kill()
+        second = session.run(images[30:80])
+        assert second.ok.all()
+        assert second.stats.failover is not None and "50 items" in second.stats.failover
+        np.testing.assert_array_equal(second.outputs["pixels"], host_outputs[30:80])
