@@ -102,6 +102,8 @@ class Connection:
         elif isinstance(exc, FrameError):
             self.ch.post(error_frame(exc), _DONTWAIT)
             reason = "bad frame"  # the frame's details would make every line a new reason
+        elif isinstance(exc, TransportError) and not self.evicted:
+            reason = "connection lost"  # its message names the peer: a new reason each
         elif not isinstance(exc, (Refused, TransportError, AgentError)):
             reason = f"internal error: {exc!r}"
             log.exception("handshake failed", extra={"fields": {"peer": self.peer}})
