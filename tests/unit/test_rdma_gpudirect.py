@@ -62,13 +62,22 @@ def test_probing_a_machine_never_raises() -> None:
     assert gpudirect.choose(caps).kind == PINNED
 
 
-def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None:
+def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu(tmp_path) -> None:
+    """Camera photos of 3 MP: the example server's DPU decodes them at 1/2 in the DCT domain
+    (the resize to 256 still shrinks 3x after it), a quarter of the pixels the GPU's nvJPEG
+    would decode, and sends the decoded image straight into the GPU."""
+    import re
+    from pathlib import Path
+
     from nicoffload.graph import load_pipeline
     from nicoffload.planner import plan_for
     from nicoffload.transport.gpudirect import for_plan
 
+    text = Path("pipelines/resnet50.yaml").read_text()
+    photo = "typical: {height: 1536, width: 2048, bytes: 800000}"
+    (tmp_path / "photos.yaml").write_text(re.sub(r"typical: \{[^}]*\}", photo, text))
     topo = "pipelines/topologies/bluefield3-h100.yaml"
-    plan = plan_for(load_pipeline("pipelines/resnet50.yaml"), topo, None, "throughput")
+    plan = plan_for(load_pipeline(tmp_path / "photos.yaml"), topo, None, "throughput")
     into_gpu = [
         t
         for t in plan.transfers
@@ -76,6 +85,7 @@ def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu() -> None
         and next(s for s in plan.stages if s.name == t.dst_stage).kind == "gpu"
     ]
     assert into_gpu  # the example server sends from the DPU straight into the GPU
+    assert {(t.tensor, t.bytes_per_item) for t in into_gpu} == {("decode", 768 * 1024 * 3)}
     rows = for_plan(plan, dataclasses.replace(ALL, cuda_dmabuf=False, peermem=False))
     assert [r["transfer"] for r in rows] == [f"{t.src_stage} -> {t.dst_stage}" for t in into_gpu]
     assert {r["destination"] for r in rows} == {PINNED}
