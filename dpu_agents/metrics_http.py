@@ -80,14 +80,18 @@ class MetricsServer(socketserver.TCPServer):
         self._queue: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
         self._backoff = BACKOFF_S[0]
         self._accept_errors = Tally(log, "metrics_accept_failed", level=logging.ERROR)
-        self._workers = [
-            threading.Thread(target=self._work, name=f"metrics-{i}", daemon=True)
-            for i in range(limit)
-        ]
-        for t in self._workers:
-            t.start()
-        self._thread = threading.Thread(target=self.serve_forever, name="metrics", daemon=True)
-        self._thread.start()
+        self._workers: list[threading.Thread] = []
+        try:
+            for i in range(limit):
+                t = threading.Thread(target=self._work, name=f"metrics-{i}", daemon=True)
+                t.start()
+                self._workers.append(t)
+            threading.Thread(target=self.serve_forever, name="metrics", daemon=True).start()
+        except BaseException:  # no thread: nothing may stay open
+            for _ in self._workers:
+                self._queue.put(None)
+            self.server_close()
+            raise
 
     @property
     def address(self) -> str:

@@ -6,6 +6,7 @@ leaving it alive and deaf. The same back-off holds for the metrics endpoint."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import threading
 import time
@@ -13,11 +14,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from dpu_agents.config import AgentConfig
+from dpu_agents.metrics_http import MetricsServer
 from dpu_agents.server import Agent
 from nicoffload.agent_client import AgentClient
-from nicoffload.errors import AgentError
+from nicoffload.errors import AgentError, NicoffloadError
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
@@ -141,3 +144,35 @@ def test_past_the_session_pool_a_client_is_told_after_it_authenticates() -> None
         with pytest.raises(AgentError, match=r"too many connections \(1 sessions\)"):
             AgentClient(agent.address, TOKEN, timeout=5)
         assert first.stats()["errors"] == {"too_many_connections": 1}
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_metrics_port_that_cannot_be_bound_leaves_nothing_open() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        before = open_fds()
+        cfg = AgentConfig(listen="127.0.0.1:0", cores=1, metrics=f"127.0.0.1:{port}")
+        with pytest.raises(NicoffloadError, match=f"cannot serve metrics on 127.0.0.1:{port}") as e:
+            Agent(cfg, TOKEN)
+        assert open_fds() == before, (
+            e.value
+        )  # closed, while `e` keeps the server from the collector
+
+
+def test_a_metrics_server_whose_threads_cannot_start_leaves_nothing_open(monkeypatch) -> None:
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "metrics-2":
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    before = open_fds()
+    with pytest.raises(RuntimeError) as e:
+        MetricsServer("127.0.0.1", 0, CollectorRegistry())
+    assert open_fds() == before, e.value  # closed, while `e` keeps the server from the collector
+    assert wait_for(lambda: not any(t.name.startswith("metrics-") for t in threading.enumerate()))
