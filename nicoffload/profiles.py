@@ -17,7 +17,14 @@ from nicoffload.errors import Mark, ProfileError
 from nicoffload.kerneltime import RING, busy_ms
 
 FORMAT = "nicoffload-profile"
-VERSION = 1
+# 2: a measured CPU/DPU decode_image is fit on decodes the kernel runs (see STALE_DECODE). A
+# version 1 profile is still read where that does not matter: estimates and GPU profiles.
+VERSION = 2
+STALE_DECODE = (
+    "its decode_image cost was measured on JPEGs that the decoder of its day scaled by 6/8 in "
+    "the DCT domain, a decode that no longer runs (exact 1/2, 1/4, 1/8 scales only, else full "
+    "size): the planner would misprice decode with it"
+)
 SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "profiles"
 # The shipped estimate used for a device kind when this machine has no measured profile.
 SHIPPED_DEFAULT = {"cpu": "x86-server", "dpu": "bluefield3-arm", "gpu": "h100"}
@@ -107,13 +114,19 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
     mark = Mark(source, 1, 1)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ProfileError(f'not a nicoffload profile (no "format": "{FORMAT}")', mark)
-    if doc.get("version") != VERSION:
-        raise ProfileError(
-            f"profile version {doc.get('version')!r} is not {VERSION}; measure it again", mark
-        )
+    version = doc.get("version")
+    if version not in (1, VERSION):
+        raise ProfileError(f"profile version {version!r} is not {VERSION}; measure it again", mark)
     kind = doc.get("kind")
     if kind not in ("cpu", "dpu", "gpu"):
         raise ProfileError(f"'kind' must be cpu, dpu or gpu, got {kind!r}", mark)
+    measured = str(doc.get("method", "")).startswith("measured")
+    if version == 1 and measured and kind != "gpu" and "decode_image" in (doc.get("kernels") or {}):
+        raise ProfileError(
+            f"a version 1 profile: {STALE_DECODE}; measure it again with "
+            f"`nicoffload profile --device {kind}`",
+            mark,
+        )
     kernels = {}
     for key, body in (doc.get("kernels") or {}).items():
         if not isinstance(body, dict):
@@ -199,9 +212,12 @@ def default_profile_for(kind: str) -> str:
 
 # -- measurement -------------------------------------------------------------------------------
 
-# Image sizes swept, each followed by a resize to 0.7x its shorter side: the decoder then always
-# scales by 6/8 in the DCT domain, as it does for ResNet's 375x500 -> 256 (the work the planner
-# costs with is the pixels actually decoded, see planner.cost.effective_work).
+# Image sizes swept, each followed by a resize to 0.7x its shorter side: too little shrinking for
+# any DCT scale (`ops.decode.decoded_size` wants 3x left after it), so every decode is at full
+# size, as ResNet's 375x500 -> 256 is, and the work recorded is the pixels really decoded
+# (`planner.cost.chain_work`, from the same decoded_size). A DCT-scaled decode (1/2, 1/4, 1/8) is
+# priced from this fit by its decoded pixels, which leaves out that it still entropy-decodes the
+# whole file.
 IMAGE_SIZES = ((188, 250), (375, 500), (564, 752), (750, 1000))
 TOKEN_LENGTHS = (32, 128, 512)
 PHOTOS = 3  # photos per size: JPEG decode time depends on the content
@@ -290,7 +306,7 @@ def _upstream(pipeline, kind: str, inputs: dict) -> dict:
 
     values = dict(inputs)
     for node in pipeline.nodes:
-        fn = ops.get_kernel(node.op, kind).build([node], pipeline.consumers(node.name))
+        fn = ops.get_kernel(node.op, kind).build([node], ops.kernel_consumers(pipeline, node.name))
         out = fn(*(values[str(r)] for r in node.inputs))
         outs = out if len(node.out_specs) > 1 else (out,)
         for port, value in zip(node.out_specs, outs, strict=True):
@@ -332,7 +348,8 @@ def measure_kernels(
                 )
                 if at is not None:
                     chain = nodes[at : at + len(k.ops)]
-                    fn = k.build(chain, pipeline.consumers(chain[-1].name))
+                    # built as the runtime builds it (`runtime.stage.bind_steps`)
+                    fn = k.build(chain, ops.kernel_consumers(pipeline, chain[-1].name))
                     args = [[v[str(r)] for r in chain[0].inputs] for v in valuesets]
                     specs = list(chain[-1].out_specs.values())
                     if kind == "gpu":  # one host thread feeds the GPU; its time is wall time
@@ -445,7 +462,7 @@ def measure(
     method = (
         f"measured: each registered {kind} kernel on {how}, each worker going round {RING} "
         "items with their own input and output buffers, median of 5 rounds per size, "
-        f"on JPEGs of {sizes} (resize to 0.7x, so decode scales 6/8) and texts of "
+        f"on JPEGs of {sizes} (resize to 0.7x, so decode is at full size) and texts of "
         f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
         "links: loopback TCP and a memcpy"
     )

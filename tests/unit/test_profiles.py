@@ -174,3 +174,68 @@ def test_profiling_leaves_ragged_outputs_to_the_kernel() -> None:
     spec = TensorSpec("uint8", (Dim("H", 375), Dim("W", 500), 3))
     kerneltime.busy_ms(kernel, [[b"x"]], [spec], 1, budget_s=0.001)
     assert outs and all(o is None for o in outs)
+
+
+def _v1(kind: str, method: str) -> dict:
+    return {
+        "format": "nicoffload-profile",
+        "version": 1,
+        "kind": kind,
+        "method": method,
+        "kernels": {"decode_image": {"a_ms": 0.1, "b_ms": 5e-6, "unit": "pixels"}},
+    }
+
+
+@pytest.mark.parametrize("kind", ["cpu", "dpu"])
+def test_a_decode_measured_before_decode_was_priced_as_it_runs_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """Version 1 measured CPU/DPU profiles fit decode on 6/8 DCT-scaled decodes, which the
+    decoder no longer runs: planning with one is refused, saying how to measure it again."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_v1(kind, "measured: 8 worker threads")))
+    with pytest.raises(ProfileError, match="6/8") as info:
+        load_profile(path)
+    assert f"measure it again with `nicoffload profile --device {kind}`" in str(info.value)
+    assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"), [("cpu", "estimate: derived"), ("gpu", "measured: nvJPEG batched")]
+)
+def test_a_version_1_profile_whose_decode_price_still_holds_is_read(
+    tmp_path: Path, kind: str, method: str
+) -> None:
+    """Estimates state their own basis, and a GPU decodes at full size as it always did."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_v1(kind, method)))
+    assert load_profile(path).kernel("decode_image").ms(1000) == pytest.approx(0.105)
+
+
+def test_a_profile_is_written_at_the_version_that_prices_decode_as_it_runs(tmp_path: Path) -> None:
+    from nicoffload import profiles
+
+    p = Profile("cpu", {"decode_image": KernelCost(0.1, 5e-6, "pixels")}, method="measured: x")
+    p.save(tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["version"] == profiles.VERSION == 2
+    assert load_profile(tmp_path / "p.json").kernel("decode_image") is not None
+
+
+def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The work a decode point is fitted at is the size of the image its kernel returns, built
+    with the consumers the runtime builds it with."""
+    from nicoffload import ops, profiles
+    from nicoffload.planner.cost import chain_work
+
+    if "cpu" not in ops.kernels_for("decode_image"):
+        pytest.skip("the image kernels for cpu are not registered")
+    monkeypatch.setattr(profiles, "IMAGE_SIZES", ((120, 160), (375, 500)))
+    monkeypatch.setattr(profiles, "TOKEN_LENGTHS", ())
+    cases = list(profiles._pipelines(tmp_path, quick=False))
+    assert len(cases) == 2
+    for (pipeline, variants), (h, w) in zip(cases, profiles.IMAGE_SIZES, strict=True):
+        decoded = profiles._upstream(pipeline, "cpu", variants[0])["decode"]
+        assert chain_work(pipeline, ["decode"]) == decoded.shape[0] * decoded.shape[1]
+        assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin
