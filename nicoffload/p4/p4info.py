@@ -1,8 +1,9 @@
 """A P4Info, indexed by name and id, and the check of a WriteRequest against it.
 
 The check is what a P4Runtime server would refuse at Write time, done before anything is sent:
-ids that exist, every exact match field present once, canonical byte strings that fit their
-bit widths, actions the table allows in that scope, every parameter present once and fitting.
+ids that exist, every exact match field present once, byte strings that fit their bit widths,
+actions the table allows in that scope, every parameter present once and fitting; and, as the
+spec asks of every encoder, byte strings in canonical (shortest) form.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ def encode(value: int, bits: int) -> bytes:
     return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
 
 
-def _decode(blob: bytes, bits: int, what: str) -> int:
-    if not blob or (len(blob) > 1 and blob[0] == 0):
-        raise P4InfoMismatch(f"{what}: {blob!r} is not a canonical byte string")
+def decode(blob: bytes, bits: int, what: str) -> int:
+    """The value of a received byte string, by the spec's receiver rule ("Bytestrings"): any
+    length, leading zero bytes allowed, but not empty and no wider than `bits` once they go."""
+    if not blob:
+        raise P4InfoMismatch(f"{what}: an empty byte string")
     value = int.from_bytes(blob, "big")
     if value >= 1 << bits:
         raise P4InfoMismatch(f"{what}: {value} does not fit in {bits} bits")
+    return value
+
+
+def _decode_canonical(blob: bytes, bits: int, what: str) -> int:
+    """decode, and the encoder's rule too: the shortest string (read-write symmetry)."""
+    value = decode(blob, bits, what)
+    if blob != encode(value, bits):
+        raise P4InfoMismatch(f"{what}: {blob!r} is not a canonical byte string")
     return value
 
 
@@ -51,6 +62,35 @@ class P4Info:
         except (OSError, pb.text_format.ParseError) as exc:
             raise UserError(f"cannot read the P4Info: {exc}", Mark(str(path), 1, 1)) from None
         return cls(message, str(path))
+
+    def canonical(self) -> Any:
+        """A copy of the message with its byte strings in canonical form.
+
+        p4c writes `initial_default_action` arguments padded to their width (`\\x00\\x00` for
+        a 0 of bit<9>): valid by the receiver rule, but not the canonical `\\x00`.
+        """
+        out = type(self.message)()
+        out.CopyFrom(self.message)
+        for table in out.tables:
+            default = table.initial_default_action
+            if not default.action_id:
+                continue
+            action = self.actions.get(default.action_id)
+            if action is None:
+                raise P4InfoMismatch(
+                    f"{self.source}: table '{table.preamble.name}': initial default action id "
+                    f"{default.action_id} is not an action"
+                )
+            widths = {p.id: p.bitwidth for p in action.params}
+            for arg in default.arguments:
+                what = (
+                    f"{self.source}: '{table.preamble.name}' initial default param {arg.param_id}"
+                )
+                if arg.param_id not in widths:
+                    raise P4InfoMismatch(f"{what}: '{action.preamble.name}' has no such param")
+                bits = widths[arg.param_id]
+                arg.value = encode(decode(arg.value, bits, what), bits)
+        return out
 
     def _find(self, kind: str, items: dict[int, Any], name: str) -> Any:
         for item in items.values():
@@ -99,7 +139,7 @@ class P4Info:
             want = proto().p4info_pb2.MatchField.MatchType.Name(f.match_type).lower()
             if kind != want:
                 raise P4InfoMismatch(f"{where}: field '{f.name}' is {want}, the entry has {kind}")
-            _decode(getattr(match, kind).value, f.bitwidth, f"{where}: field '{f.name}'")
+            _decode_canonical(getattr(match, kind).value, f.bitwidth, f"{where}: field '{f.name}'")
         exact = proto().p4info_pb2.MatchField.EXACT
         missing = [f.name for f in fields.values() if f.match_type == exact and f.id not in seen]
         if entry.is_default_action and entry.match:
@@ -133,7 +173,8 @@ class P4Info:
             )
         for p in call.params:
             spec = params[p.param_id]
-            _decode(p.value, spec.bitwidth, f"{where}: action '{name}' param '{spec.name}'")
+            what = f"{where}: action '{name}' param '{spec.name}'"
+            _decode_canonical(p.value, spec.bitwidth, what)
 
     def check(self, request: Any) -> None:
         """Check every table entry of a p4.v1.WriteRequest."""

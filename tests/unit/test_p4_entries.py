@@ -18,7 +18,7 @@ from nicoffload.p4 import P4INFO
 from nicoffload.p4._proto import proto
 from nicoffload.p4.entries import check_devices, render, steering, write_request
 from nicoffload.p4.ids import EGRESS_STAGE_ID, pipeline_id, stage_ids
-from nicoffload.p4.p4info import P4Info, P4InfoMismatch, encode
+from nicoffload.p4.p4info import P4Info, P4InfoMismatch, decode, encode
 from nicoffload.p4.ports import load_ports
 from nicoffload.planner import plan_for
 from nicoffload.planner.plan import Plan, single_device_plan, stages_for
@@ -149,6 +149,8 @@ def _mutate(request, how: str) -> None:
             te.table_id += 1
         case "not canonical":
             te.match[1].exact.value = b"\x00\x01"
+        case "empty":
+            te.match[0].exact.value = b""
         case "too wide":
             te.action.action.params[0].value = b"\x02\x00"
         case "field missing":
@@ -172,7 +174,7 @@ def _mutate(request, how: str) -> None:
     ("how", "message"),
     [
         ("table id", "unknown table id"),
-        ("not canonical", "not a canonical byte string"),
+        ("empty", "an empty byte string"),
         ("too wide", "does not fit in 9 bits"),
         ("field missing", "exact fields \\['stage_id'\\] missing"),
         ("default-only action", "cannot be a table entry action"),
@@ -187,6 +189,46 @@ def test_the_p4info_check_refuses_what_a_target_would(plans, info, how: str, mes
     _mutate(request, how)
     with pytest.raises(P4InfoMismatch, match=message):
         info.check(request)
+
+
+def test_the_check_holds_the_request_to_the_canonical_form_an_encoder_must_write(
+    plans, info
+) -> None:
+    # A server accepts b"\x00\x01" for stage 1 (the spec's receiver rule), but read-write
+    # symmetry asks the encoder for the shortest string, and the entries are ours to encode.
+    ports = load_ports(load_topology(TOPOLOGIES / "bluefield3-h100.yaml"))
+    request = write_request(steering(plans["resnet50", "bluefield3-h100"], ports), 2, info)
+    _mutate(request, "not canonical")
+    with pytest.raises(P4InfoMismatch, match="not a canonical byte string"):
+        info.check(request)
+
+
+def test_a_received_byte_string_may_be_padded_but_not_empty_or_too_wide() -> None:
+    assert decode(b"\x00\x00", 9, "port") == 0  # what p4c writes for a 0 of bit<9>
+    assert decode(b"\x00\x00\x01\xff", 9, "port") == 511
+    with pytest.raises(P4InfoMismatch, match="port: an empty byte string"):
+        decode(b"", 9, "port")
+    with pytest.raises(P4InfoMismatch, match="port: 512 does not fit in 9 bits"):
+        decode(b"\x00\x02\x00", 9, "port")
+
+
+def _padded_default(info: P4Info, value: bytes) -> P4Info:
+    message = type(info.message)()
+    message.CopyFrom(info.message)
+    message.tables[0].initial_default_action.arguments[0].value = value
+    return P4Info(message, "p4c.txtpb")
+
+
+def test_a_padded_initial_default_argument_is_canonical_after_canonical(info) -> None:
+    padded = _padded_default(info, b"\x00\x00")
+    assert padded.message != info.message
+    assert padded.canonical() == info.message
+    assert info.canonical() == info.message
+
+
+def test_an_initial_default_argument_too_wide_for_its_param_is_refused(info) -> None:
+    with pytest.raises(P4InfoMismatch, match=r"p4c\.txtpb: 'NicoffloadIngress\.steer' initial"):
+        _padded_default(info, b"\x02\x00").canonical()
 
 
 def test_protobuf_loaded_first_in_its_fast_mode_is_a_failure_that_says_what_to_set() -> None:
