@@ -6,8 +6,12 @@ STAMP  := $(VENV)/.installed
 
 # System packages the integration tests use (the agent in its own network namespace).
 SYSDEPS := iproute2 nftables
+# The shared libraries of the prebuilt P4 tools (p4c's BMv2 back end, BMv2's simple_switch) that
+# the P4 tests run, from ../shared/p4tools beside the clone; without that folder they skip.
+P4TOOLS := ../shared/p4tools
+SYSDEPS += $(shell cat $(P4TOOLS)/apt-packages.txt 2>/dev/null)
 
-.PHONY: setup sysdeps run test test-unit test-integration test-gpu test-rdma test-arm bench bench-rdma lint format clean
+.PHONY: setup sysdeps run test test-unit test-integration test-p4 test-gpu test-rdma test-arm bench bench-rdma lint format clean
 
 setup: $(STAMP)
 
@@ -63,6 +67,10 @@ test-unit: setup
 
 test-integration: setup sysdeps
 	$(BIN)/python -m pytest -q tests/integration
+
+# The P4 program alone: compiled into build/p4/ and run on BMv2 (also part of `make test`).
+test-p4: setup sysdeps
+	$(BIN)/python -m pytest -q -rs tests/unit/test_p4_*.py tests/unit/test_scapy_layer.py tests/integration/test_p4_*.py
 
 # GPU kernels and staging: runs where CUDA works, skips with the reason elsewhere.
 test-gpu: setup
