@@ -3,9 +3,10 @@
  * slow path. P4-16, v1model. See p4/README.md for how to compile it and what a DPL port changes.
  *
  * The nicoffload_t header must match nicoffload/transport/frame.py HEADER_FIELDS byte for byte
- * (names, widths, order): tests/unit/test_scapy_layer.py reads this file and checks it.
- * Table, action and counter ids are pinned with @id so that p4/nicoffload.p4info.txtpb, written
- * by hand here (no p4c on this project's machines), is the P4Info p4c would emit.
+ * (names, widths, order): tests/unit/test_scapy_layer.py reads this file and checks it, and
+ * tests/integration/test_p4_bmv2.py runs frames that frame.py encodes through it on BMv2.
+ * Table, action and counter ids are pinned with @id so that p4/nicoffload.p4info.txtpb is the
+ * P4Info p4c emits (tests/integration/test_p4_compile.py compiles this file and compares).
  */
 #include <core.p4>
 #include <v1model.p4>
@@ -19,7 +20,8 @@ const bit<9>  SLOW_PATH_PORT_UNSET = 0;       // the control plane writes the re
 
 // Why a packet went to the slow path: the index of slow_path_packets.
 const bit<32> REASON_NOT_NICOFFLOAD = 0;      // not IPv4/UDP to NICOFFLOAD_UDP_PORT
-const bit<32> REASON_BAD_HEADER = 1;          // the port matched but magic or version did not
+const bit<32> REASON_BAD_HEADER = 1;          // the port matched but the header was cut short,
+                                              // or its magic or version did not match
 const bit<32> REASON_NO_ENTRY = 2;            // a nicoffload frame of no installed (pipeline, stage)
 
 typedef bit<9> port_t;
@@ -169,6 +171,8 @@ control NicoffloadIngress(inout headers_t hdr, inout metadata_t meta,
             } else {
                 meta.reason = REASON_BAD_HEADER;
             }
+        } else if (hdr.udp.isValid() && hdr.udp.dst_port == NICOFFLOAD_UDP_PORT) {
+            meta.reason = REASON_BAD_HEADER;  // the parser ran out of bytes inside the header
         }
         steer.apply();
     }

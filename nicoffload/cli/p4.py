@@ -25,13 +25,18 @@ def entries(
     topology: Path | None = typer.Option(
         None, "--topology", help="the topology YAML the plan was made on, with a 'p4' section"
     ),
-    fmt: str = typer.Option("text", "--format", help="text (protobuf text format) | json"),
+    fmt: str = typer.Option(
+        "text",
+        "--format",
+        help="text (protobuf text format) | json | bmv2 (simple_switch_CLI commands)",
+    ),
     output: Path | None = typer.Option(None, "--output", "-o", help="write here, not stdout"),
     p4info: Path = typer.Option(P4INFO, "--p4info", help="the P4Info of the program"),
     device_id: int = typer.Option(0, "--device-id", help="the P4Runtime device id"),
     election_id: int = typer.Option(1, "--election-id", help="the controller's election id"),
 ) -> None:
-    """Write the steering entries of a plan as a P4Runtime WriteRequest, checked against the P4Info."""
+    """Write the steering entries of a plan as a P4Runtime WriteRequest, checked against the P4Info
+    (or, with --format bmv2, as the BMv2 runtime CLI commands that install the same entries)."""
     from nicoffload.errors import PlanError, TopologyError
     from nicoffload.p4.entries import check_devices, render, steering, write_request
     from nicoffload.p4.ids import pipeline_id
@@ -40,8 +45,8 @@ def entries(
     from nicoffload.planner.plan import Plan
     from nicoffload.topology import load_topology
 
-    if fmt not in ("text", "json"):
-        raise PlanError(f"--format must be text or json, got '{fmt}'")
+    if fmt not in ("text", "json", "bmv2"):
+        raise PlanError(f"--format must be text, json or bmv2, got '{fmt}'")
     if topology is None:  # the autodetected local machine has no NIC ports to steer to
         raise TopologyError(
             "pass --topology T.yaml: the topology the plan was made on, with a 'p4' section "
@@ -56,7 +61,12 @@ def entries(
     request = write_request(
         steer, ports.slow_path, info, device_id=device_id, election_id=election_id
     )
-    text = render(request, fmt)
+    if fmt == "bmv2":
+        from nicoffload.p4 import bmv2
+
+        text = bmv2.render(request, info)
+    else:
+        text = render(request, fmt)
     pid = pipeline_id(the_plan.pipeline)
     typer.echo(f"pipeline '{the_plan.pipeline}': pipeline_id {pid} ({pid:#010x})", err=True)
     for e in steer:

@@ -62,6 +62,18 @@ def test_entries_json_is_one_document_on_stdout_and_output_writes_a_file(plan_fi
     assert "table_entry" in out.read_text()
 
 
+def test_entries_bmv2_prints_the_cli_commands_that_install_them(plan_file) -> None:
+    result = _run("p4", "entries", plan_file, "--topology", BF3, "--format", "bmv2")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["table_add"] * 3 + ["table_set_default"]
+    # s1-cpu: stage 2 -> cpu, port 2, queue 1 (bluefield3-h100's p4 section)
+    assert lines[1].startswith("table_add NicoffloadIngress.steer NicoffloadIngress.forward ")
+    assert lines[1].endswith(" 2 => 2 1")
+    assert lines[-1] == "table_set_default NicoffloadIngress.steer NicoffloadIngress.to_slow_path 2"
+    assert "s1-cpu       -> cpu: port 2, queue 1" in result.stderr
+
+
 def test_entries_for_a_stage_without_a_port_exits_2_with_the_place(plan_file, tmp_path) -> None:
     text = Path(BF3).read_text().replace("    cpu: {port: 2, queue: 1}", "")
     topo = tmp_path / "topo.yaml"
