@@ -28,6 +28,8 @@ def test_public_api_is_exactly_the_curated_names():
             "PlanError",
             "RunResult",
             "RunStats",
+            "Session",
+            "SessionClosed",
             "SpecError",
             "SystemFailure",
             "TensorSpec",
@@ -35,6 +37,7 @@ def test_public_api_is_exactly_the_curated_names():
             "UserError",
             "__version__",
             "load_pipeline",
+            "open",
             "run",
         ]
     )
