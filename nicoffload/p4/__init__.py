@@ -2,7 +2,9 @@
 
 `p4/nicoffload.p4` parses nicoffload frames carried in UDP and steers each by (pipeline id,
 stage id); this package decides those ids, reads each device's NIC port from the topology's
-`p4:` section, and writes and validates the entries. Protobufs and scapy are imported lazily.
+`p4:` section, and writes and validates the entries (as P4Runtime, or as BMv2 CLI commands).
+`toolchain` and `switch` compile the program with p4c and run it on BMv2 for the tests.
+Protobufs and scapy are imported lazily.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ installed, and `send()` then writes the frames and closes it. No privileges, no 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
@@ -36,6 +37,13 @@ class _Exited(SystemFailure):
     """simple_switch exited while it was starting."""
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG), so a test run killed outright leaves no switch behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (bound to 0, then released) for the Thrift server."""
     with socket.socket() as s:
@@ -60,8 +68,8 @@ class PcapSwitch:
 
     def __init__(
         self, tools: Tools, program: Path, ports: Iterable[int], ingress: int, timeout: float = 20
-    ):
-        self.tools, self.program, self.timeout = tools, program, timeout
+    ) -> None:
+        self.tools, self.program, self.timeout = tools, Path(program).resolve(), timeout
         self.ports, self.ingress = sorted(set(ports) | {ingress}), ingress
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
@@ -108,6 +116,7 @@ class PcapSwitch:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         self._fifo = self._open_fifo()
         os.write(self._fifo, _PCAP_HEAD)  # the switch reads it while it adds the ports
