@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from nicoffload.cli import build_app
 from nicoffload.p4 import P4_SOURCE, UDP_PORT
 from nicoffload.p4.ids import pipeline_id, stage_ids
+from nicoffload.p4.source import P4Source
 from nicoffload.p4.switch import PcapSwitch
 from nicoffload.p4.toolchain import BUILD_DIR, ToolsMissing, compile_program, find_tools
 from nicoffload.planner.plan import Plan
@@ -46,7 +47,10 @@ p4:
     cpu: {{port: {PORTS["cpu"]}, queue: 1}}
     gpu0: {{port: {PORTS["gpu0"]}, queue: 2}}
 """
-NOT_NICOFFLOAD, BAD_HEADER, NO_ENTRY = 0, 1, 2  # the program's REASON_* constants
+_CONSTANTS = P4Source.read(P4_SOURCE).constants()  # the program's slow-path reasons
+NOT_NICOFFLOAD, BAD_HEADER, NO_ENTRY = (
+    _CONSTANTS[f"REASON_{name}"] for name in ("NOT_NICOFFLOAD", "BAD_HEADER", "NO_ENTRY")
+)
 SLOW = "NicoffloadIngress.slow_path_packets"
 HITS = "NicoffloadIngress.steer_hits"
 

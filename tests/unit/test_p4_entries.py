@@ -219,7 +219,7 @@ def _padded_default(info: P4Info, value: bytes) -> P4Info:
     return P4Info(message, "p4c.txtpb")
 
 
-def test_a_padded_initial_default_argument_is_canonical_after_canonical(info) -> None:
+def test_canonical_rewrites_p4cs_padded_initial_default_argument(info) -> None:
     padded = _padded_default(info, b"\x00\x00")
     assert padded.message != info.message
     assert padded.canonical() == info.message
