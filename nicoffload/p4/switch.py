@@ -30,6 +30,9 @@ _PCAP_HEAD = struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, 1)  # LINKTY
 _RECORD = struct.Struct("<IIII")
 _COUNTER = re.compile(r"^(?:RuntimeCmd: )?([\w.]+)\[(\d+)\]= *\((\d+) bytes, (\d+) packets\)", re.M)
 _HANDLE = re.compile(r"Entry has been added with handle (\d+)")
+_LOG = re.compile(
+    r"\[(\d+)\.\d+\] \[cxt \d+\] (?:Table '([\w.]+)': (?:hit|miss)|Action entry is ([\w.]+) - ([\w,]*))"
+)
 _CLI_ERROR = re.compile(r"^(?:RuntimeCmd: )?(Error|Invalid)[^\n]*", re.M)
 
 
@@ -105,7 +108,7 @@ class PcapSwitch:
         self.thrift_port = free_port()
         cmd = [self.tools.simple_switch, "--use-files", "0", "--thrift-port", str(self.thrift_port)]
         cmd += ["--notifications-addr", f"ipc://{self.dir}/notifications.ipc"]
-        cmd += ["--log-file", "switch", "-L", "info", "--log-flush"]
+        cmd += ["--log-file", "switch", "-L", "debug", "--log-flush"]
         for port in self.ports:
             cmd += ["-i", f"{port}@p{port}"]
         with open(self.dir / "stdout.txt", "wb") as out:
@@ -205,6 +208,20 @@ class PcapSwitch:
 
         self._until(done, f"{expect} frames out")
         return got
+
+    def actions(self, table: str) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """Packet number (0 for the first frame sent) -> the action `table` ran on it and its
+        arguments, from the switch's debug log: what no output shows, such as forward's queue."""
+        out, looked = {}, set()
+        for m in _LOG.finditer((self.dir / "switch.txt").read_text(errors="replace")):
+            packet = int(m[1])
+            if m[2] is not None:
+                if m[2] == table:
+                    looked.add(packet)
+            elif packet in looked:
+                looked.discard(packet)
+                out[packet] = (m[3], tuple(int(v, 16) for v in m[4].split(",") if v))
+        return out
 
     def log(self) -> str:
         if self.dir is None:

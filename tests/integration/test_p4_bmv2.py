@@ -1,14 +1,15 @@
-"""The compiled program on BMv2, with the entries `nicoffload p4 entries --format bmv2` writes for
-real plans: the frames the project's sender and its scapy layer build for each stage leave by
-the port of the stage's device, each entry counts them, and everything else (no entry, other
-UDP, a bad magic or version, a cut-short header, a frame.py whose field moved) takes the slow
-path, counted by reason. One switch run (pcap files, no privileges) serves every test here."""
+"""The compiled program on BMv2, with the entries `nicoffload p4 entries --format bmv2` writes
+for real plans: the frames the project's sender and its scapy layer build for each stage leave
+by the port of the stage's device (forward() given its queue), each entry counts them, and
+everything else (no entry, other UDP, a bad magic or version, a cut-short header, a frame.py
+whose field moved) takes the slow path, counted by reason. One switch run (pcap files, no
+privileges) serves every test here."""
 
 from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +40,12 @@ TOPOLOGY = ROOT / "pipelines" / "topologies" / "bluefield3-h100.yaml"
 PIPELINES = ("clip", "resnet50")
 INGRESS, SLOW_PATH = 0, 3
 PORTS = {"dpu0": 1, "cpu": 2, "gpu0": 4}  # one port each, so that where a frame left says why
+QUEUES = {"dpu0": 0, "cpu": 1, "gpu0": 2}
 P4_SECTION = f"""
 p4:
   slow_path: {SLOW_PATH}
   devices:
-    dpu0: {{port: {PORTS["dpu0"]}}}
-    cpu: {{port: {PORTS["cpu"]}, queue: 1}}
-    gpu0: {{port: {PORTS["gpu0"]}, queue: 2}}
-"""
+""" + "".join(f"    {d}: {{port: {PORTS[d]}, queue: {QUEUES[d]}}}\n" for d in PORTS)
 _CONSTANTS = P4Source.read(P4_SOURCE).constants()  # the program's slow-path reasons
 NOT_NICOFFLOAD, BAD_HEADER, NO_ENTRY = (
     _CONSTANTS[f"REASON_{name}"] for name in ("NOT_NICOFFLOAD", "BAD_HEADER", "NO_ENTRY")
@@ -62,6 +61,7 @@ class Sent:
     port: int  # where it should leave
     entry: tuple[int, int] | None = None  # the (pipeline_id, stage_id) entry that steers it
     reason: int | None = None  # the slow path's reason, for a frame no entry steers
+    queue: int = 0  # the receive queue forward() is given
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Run:
     sent: list[Sent]
     left: dict[bytes, list[int]]  # a frame's bytes -> every port it left by
     handles: dict[tuple[int, int], int]  # entry -> BMv2's handle
+    actions: dict[int, tuple[str, tuple[int, ...]]]  # frame number -> the steer table's action
     counters: dict[tuple[str, int], tuple[int, int]]  # (counter, index) -> (packets, bytes)
 
 
@@ -114,14 +115,16 @@ def _stage_frames(plans: dict[str, Plan]) -> list[Sent]:
         pid, ids = pipeline_id(plan.pipeline), stage_ids(plan)
         devices = {s.name: s.device for s in plan.stages} | {"egress": plan.egress}
         for stage, sid in ids.items():
-            port = PORTS[devices[stage]]
+            port, queue = PORTS[devices[stage]], QUEUES[devices[stage]]
             _, layout = Packer(1 << 20, OUT_OF_BAND, pid, sid)(tensors)
             head = bytes(layout.announce(slot=1, request_id=request))
-            out.append(Sent(f"{name}/{stage} sender", _udp(head), port, (pid, sid)))
+            out.append(Sent(f"{name}/{stage} sender", _udp(head), port, (pid, sid), queue=queue))
             scapy = Nicoffload(
                 kind=int(Kind.DATA), pipeline_id=pid, stage_id=sid, request_id=request
             )
-            out.append(Sent(f"{name}/{stage} scapy", _udp(bytes(scapy)), port, (pid, sid)))
+            out.append(
+                Sent(f"{name}/{stage} scapy", _udp(bytes(scapy)), port, (pid, sid), queue=queue)
+            )
             request += 1
     return out
 
@@ -154,8 +157,9 @@ def _slow_frames(plans: dict[str, Plan]) -> list[Sent]:
         ("a header cut short", good[:40], BAD_HEADER),
     ]
     sent = [Sent(name, _udp(blob), SLOW_PATH, reason=reason) for name, blob, reason in cases]
-    port = PORTS[plan.stages[0].device]
-    sent.append(Sent("today's frame.py, the same ids", _udp(good), port, (pid, sid)))
+    device = plan.stages[0].device
+    today = Sent("today's frame.py, the same ids", _udp(good), PORTS[device], (pid, sid))
+    sent.append(replace(today, queue=QUEUES[device]))
     sent += [
         Sent("UDP to another port", _udp(good, dport=53), SLOW_PATH, reason=NOT_NICOFFLOAD),
         Sent(
@@ -208,6 +212,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         handles = switch.install(commands)
         switch.send(s.frame for s in sent)
         out = switch.received(len(sent))
+        actions = switch.actions("NicoffloadIngress.steer")
         entries = [tuple(map(int, c.split()[3:5])) for c in commands if c.startswith("table_add")]
         by_entry = dict(zip(entries, handles, strict=True))
         reads = [(SLOW, r) for r in (NOT_NICOFFLOAD, BAD_HEADER, NO_ENTRY)]
@@ -216,7 +221,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     for port, frames in out.items():
         for f in frames:
             left.setdefault(f, []).append(port)
-    return Run(sent, left, by_entry, counters)
+    return Run(sent, left, by_entry, actions, counters)
 
 
 def _stage(run: Run) -> list[Sent]:
@@ -234,6 +239,17 @@ def test_each_stage_frame_leaves_once_unchanged_by_the_port_of_its_device(run: R
         if run.left.get(s.frame) != [s.port]
     }
     assert wrong == {}
+
+
+def test_each_stage_frame_is_forwarded_with_its_devices_port_and_queue(run: Run) -> None:
+    # v1model has no receive queues: the queue is only an argument of forward(), seen in the log
+    for i, s in enumerate(run.sent):
+        want = (
+            ("NicoffloadIngress.forward", (s.port, s.queue))
+            if s.entry
+            else ("NicoffloadIngress.to_slow_path", (SLOW_PATH,))
+        )
+        assert run.actions.get(i) == want, s.name
 
 
 def test_each_entry_counts_the_frames_it_steered_packets_and_bytes(run: Run) -> None:
