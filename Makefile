@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# torch, for the tests of Session.dataset and RunResult.torch(): the CPU wheel where one is
+	@# on disk (this project's machines); elsewhere those tests skip ('.[gpu]' brings torch)
+	@if ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install --quiet 'torch==2.13.0'; \
+	else echo "note: no CPU torch wheel on disk: the torch tests skip (pip install -e '.[gpu]')"; fi
 	touch $(STAMP)
 
 PROFILES ?= $(or $(NICOFFLOAD_PROFILES),$(HOME)/.cache/nicoffload/profiles)

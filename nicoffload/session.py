@@ -148,6 +148,13 @@ class Session:
         stats = RunStats()
         return collect(self.pipeline, self.stream(items, stats), stats)
 
+    def dataset(self, items: Iterable[Any]) -> Any:
+        """A PyTorch IterableDataset of this session's batches over `items` (a list, to iterate
+        it more than once): see `nicoffload.torchdata`. Needs torch."""
+        from nicoffload.torchdata import dataset
+
+        return dataset(self, items)
+
     def submit(self, items: Iterable[Any]) -> concurrent.futures.Future[RunResult]:
         """`run(items)` on the session's own thread; calls queue in submission order."""
         if self._closed:
