@@ -18,6 +18,8 @@ from nicoffload.errors import SystemFailure
 from nicoffload.p4 import P4_DIR
 
 TOOLS_ENV = "NICOFFLOAD_P4TOOLS"
+# Set (by `make test`, as root with the tools beside the clone): missing tools fail, not skip.
+REQUIRE_ENV = "NICOFFLOAD_REQUIRE_P4"
 # Outputs go here, never into the tools' (read-only) folder; build/ is git-ignored.
 BUILD_DIR = P4_DIR.parent / "build" / "p4"
 
@@ -57,6 +59,19 @@ def tools_root() -> Path:
     return Path(os.environ.get(TOOLS_ENV) or P4_DIR.parent.parent / "shared" / "p4tools")
 
 
+def _check_runs(binary: Path, packages: Path) -> None:
+    """ToolsMissing if `binary --version` fails: a shared library absent, most likely."""
+    try:
+        run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ToolsMissing(f"{binary} cannot start: {exc}") from exc
+    if run.returncode != 0:
+        raise ToolsMissing(
+            f"{binary} does not run: {(run.stderr or run.stdout).strip()} (install the "
+            f"packages listed in {packages})"
+        )
+
+
 def find_tools(*, switch: bool = True) -> Tools:
     """The tools, checked to run here; ToolsMissing naming what to install otherwise."""
     tools = Tools(tools_root())
@@ -67,20 +82,10 @@ def find_tools(*, switch: bool = True) -> Tools:
             f"no P4 tools: {', '.join(missing)} not found (they live in ../shared/p4tools "
             f"beside the repository, or where {TOOLS_ENV} says)"
         )
-    if switch:
-        try:
-            run = subprocess.run(
-                [tools.simple_switch, "--version"], capture_output=True, text=True, timeout=30
-            )
-        except OSError as exc:
-            raise ToolsMissing(f"{tools.simple_switch} cannot start: {exc}") from exc
-        if run.returncode != 0:
-            raise ToolsMissing(
-                f"{tools.simple_switch} does not run: {run.stderr.strip()} (install the "
-                f"packages listed in {tools.root / 'apt-packages.txt'})"
-            )
-        if importlib.util.find_spec("thrift") is None:
-            raise ToolsMissing("BMv2's runtime CLI needs the 'thrift' package (the 'dev' extra)")
+    for binary in [tools.p4c] + ([tools.simple_switch] if switch else []):
+        _check_runs(binary, tools.root / "apt-packages.txt")
+    if switch and importlib.util.find_spec("thrift") is None:
+        raise ToolsMissing("BMv2's runtime CLI needs the 'thrift' package (the 'dev' extra)")
     return tools
 
 
