@@ -21,6 +21,7 @@ import numpy as np
 
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL
+from nicoffload.planner.fusion import group_cuts, settle_table
 
 MAX_SUFFIXES = 20_000  # distinct completion latencies one state may have before we give up
 
@@ -104,7 +105,14 @@ def _signature(model: CostModel, comp: tuple[int, ...], refs_of: dict, inputs_of
     inputs = sorted(r.nbytes for r in inputs_of[comp[0]])
     at = {v: i for i, v in enumerate(comp)}
     groups = sorted(
-        (at[g.nodes[0]], len(g.nodes), g.delta.tobytes()) for g in model.groups if g.nodes[0] in at
+        (
+            at[g.nodes[0]],
+            len(g.nodes),
+            g.delta.tobytes(),
+            None if g.rows is None else (g.s0 - g.nodes[0], g.rows.shape, g.rows.tobytes()),
+        )
+        for g in model.groups
+        if g.nodes[0] in at
     )
     nodes = tuple(
         (
@@ -145,37 +153,40 @@ def _graph(
 ) -> Chains:
     comp = members[0]
     k, D, R = len(comp), len(model.devices), len(model.resources)
-    # Several groups may end at one node: one per device kind with the fused kernel (a host
-    # CPU and a DPU both fuse resize+crop+normalize), each priced only on its own devices.
-    ends: dict[int, list] = defaultdict(list)
-    for g in model.groups:
-        if g.nodes[-1] in comp:
-            ends[g.nodes[-1]].append(g)
-    runs = max([len(g.nodes) for gs in ends.values() for g in gs], default=1)
+    # A run's fused deltas are added once its cover is known (`fusion`): on the arc into a
+    # position before a cut, or on the arc that leaves its device. A state counts how many
+    # positions of its run are still pending (0 after a cut). Several groups may end at one
+    # node (one per device kind with the fused kernel); `settle_table` sums them per device.
+    fused, cut = settle_table(model), group_cuts(model)
+    after = [i == k - 1 or comp[i + 1] != comp[i] + 1 or bool(cut[comp[i + 1]]) for i in range(k)]
+    seg = [0] * k  # the first position of each position's segment between cuts
+    for i in range(1, k):
+        seg[i] = i if after[i - 1] else seg[i - 1]
+    runs = max((i - seg[i] + 1 for i in range(k) if not after[i]), default=0) + 1
     sink = 1 + k * D * runs
 
-    def state(i: int, d: int, run: int) -> int:
-        return 1 + (i * D + d) * runs + run - 1
+    def state(i: int, d: int, q: int) -> int:
+        return 1 + (i * D + d) * runs + q
 
-    def node(i: int, d: int, run: int) -> float:
-        """Compute time of position i on d after `run` consecutive positions there."""
-        v = comp[i]
-        ms = model.cost[v, d]
-        for g in ends.get(v, ()):
-            if run >= len(g.nodes) and not np.isnan(g.delta[d]):
-                ms += g.delta[d]
-        return float(ms)
+    def settled(p: int, i: int, d: int) -> float:
+        return float(fused[comp[p], comp[i], d]) if p <= i else 0.0
 
     tail, head, pos, dev, loads, times, mems = [], [], [], [], [], [], []
     exit_ = np.full(sink + 1, -np.inf)
 
-    def arc(t: int, h: int, i: int, d: int, load: np.ndarray, ms: float) -> None:
+    def arc(t: int, i: int, d: int, p: int, load: np.ndarray, ms: float) -> None:
+        """An arc from state t into position i on d (the sink: i == k, d == -1), the pending
+        part of its run from p (a chain's last position is before a cut: none is left)."""
+        own = 0.0
+        if d >= 0:
+            own = float(model.cost[comp[i], d]) + (settled(p, i, d) if after[i] else 0.0)
+            load[d] += own
         tail.append(t)
-        head.append(h)
+        head.append(sink if d < 0 else state(i, d, 0 if after[i] else i - p + 1))
         pos.append(i)
         dev.append(d)
         loads.append(load)
-        times.append(ms)
+        times.append(ms + own)
         mems.append(model.mem[comp[i]] if d >= 0 else 0.0)
 
     for d in np.flatnonzero(np.isfinite(model.cost[comp[0]])):
@@ -185,35 +196,31 @@ def _graph(
             if d != model.ingress:
                 load += r.nbytes * model.route_load[model.ingress, d]
             ms = max(ms, model.ref_time(r, model.ingress, d))
-        load[d] += node(0, d, 1)
-        arc(0, state(0, d, 1), 0, d, load, ms + node(0, d, 1))
+        arc(0, 0, d, 0, load, ms)
     for i, v in enumerate(comp):
         last = i == k - 1
         outs = [r for r in refs_of[v] if r.output]
         targets = [-1] if last else list(np.flatnonzero(np.isfinite(model.cost[comp[i + 1]])))
-        for s in np.flatnonzero(np.isfinite(model.cost[v])):
-            for run in range(1, (runs if i else 1) + 1):
-                if run > i + 1:
-                    break
-                here = state(i, s, run)
-                if outs:
-                    exit_[here] = max(model.ref_time(r, s, model.egress) for r in outs)
-                for d in targets:
-                    load = np.zeros(R)
-                    ms = 0.0
-                    for r in refs_of[v]:
-                        dests = {model.egress} if r.output else set()
-                        if d >= 0:
-                            dests.add(d)
-                            ms = max(ms, model.ref_time(r, s, d))
-                        for e in dests - {s}:
-                            load += r.nbytes * model.route_load[s, e]
-                    if d < 0:
-                        arc(here, sink, k, -1, load, 0.0)
-                        continue
-                    nrun = min(run + 1, runs) if d == s else 1
-                    load[d] += node(i + 1, d, nrun)
-                    arc(here, state(i + 1, d, nrun), i + 1, d, load, ms + node(i + 1, d, nrun))
+        pending = [0] if after[i] else range(1, i - seg[i] + 2)
+        for s, q in itertools.product(np.flatnonzero(np.isfinite(model.cost[v])), pending):
+            here = state(i, s, q)
+            if outs:
+                exit_[here] = max(model.ref_time(r, s, model.egress) for r in outs)
+            for d in targets:
+                load = np.zeros(R)
+                ms = 0.0
+                for r in refs_of[v]:
+                    dests = {model.egress} if r.output else set()
+                    if d >= 0:
+                        dests.add(d)
+                        ms = max(ms, model.ref_time(r, s, d))
+                    for e in dests - {s}:
+                        load += r.nbytes * model.route_load[s, e]
+                p = i + 1 - q
+                if d != s and q:  # the run on s ends at i
+                    load[s] += settled(p, i, s)
+                    ms += settled(p, i, s)
+                arc(here, k if d < 0 else i + 1, d, p if d == s and q else i + 1, load, ms)
     return Chains(
         members=members,
         tail=np.array(tail, np.intp),

@@ -4,14 +4,14 @@ Node v on device d costs `a + b * work(v)` core-ms per item (work from the Tenso
 runtime will really see: a CPU/DPU decoder followed by antialiased resizes with room for it
 decodes smaller, in the DCT domain, as `ops.decode.decoded_size` decides for its kernel too; a
 GPU decoder decodes at full size and is priced so, while the one size each tensor has here is
-the CPU/DPU decoder's). A fusable chain the runtime runs as one kernel costs that kernel's time instead. A tensor crossing
-devices loads each hop of its route: `bytes / bandwidth` on the link, and the transport's CPU time
+the CPU/DPU decoder's). A fusable chain the runtime runs as one kernel costs that kernel's time
+instead, where the runtime fuses it: within a stage, greedily from its first node (`fusion`).
+A tensor crossing devices loads each hop of its route: `bytes / bandwidth` on the link, and the transport's CPU time
 per byte on each CPU endpoint. Pure functions of their inputs: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -21,6 +21,7 @@ import numpy as np
 from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
 from nicoffload.ops import kernel_consumers
 from nicoffload.ops.decode import DCT_SCALING_KINDS, decoded_size
+from nicoffload.planner import fusion
 from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
@@ -59,11 +60,25 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class Group:
-    """Consecutive nodes the runtime fuses into one kernel when they share a device."""
+    """Consecutive nodes the runtime may fuse into one kernel when they share a device: it does
+    when the greedy cover of their run (stage) takes them, as `rows` says (`fusion.table`;
+    None: whenever they share a device). Its inner nodes are never outputs."""
 
     nodes: tuple[int, ...]
     key: str
     delta: np.ndarray  # (D,) fused cost minus the nodes' own costs; nan where it does not apply
+    s0: int = 0  # the run start that rows[0] stands for (and any earlier one)
+    rows: np.ndarray | None = field(default=None, compare=False)  # (i - s0 + 1, e1 - j + 1)
+
+    def applies(self, start, end) -> np.ndarray:
+        """Whether a run of nodes start..end on one device (start <= first, end >= last node)
+        runs this group fused, elementwise."""
+        start, end = np.asarray(start), np.asarray(end)
+        if self.rows is None:
+            return np.ones(np.broadcast(start, end).shape, dtype=bool)
+        r = np.clip(start - self.s0, 0, self.rows.shape[0] - 1)
+        c = np.clip(end - self.nodes[-1], 0, self.rows.shape[1] - 1)
+        return self.rows[r, c]
 
 
 @dataclass(frozen=True)
@@ -175,37 +190,6 @@ def chain_work(pipeline: Pipeline, names: Iterable[str]) -> float:
     return total
 
 
-# -- fusion ------------------------------------------------------------------------------------
-
-
-def _fusable(pipeline: Pipeline, chain: list[Node]) -> bool:
-    """Mirrors runtime.stage: inner nodes feed only the next node and are not outputs."""
-    outputs = {r.source for r in pipeline.outputs.values()}
-    for a, b in itertools.pairwise(chain):
-        consumers = pipeline.consumers(a.name)
-        if len(a.out_specs) != 1 or a.name in outputs or len(b.inputs) != 1:
-            return False
-        if len(consumers) != 1 or consumers[0].name != b.name:
-            return False
-    return True
-
-
-def fusion_windows(pipeline: Pipeline, chains: Iterable[tuple[str, ...]]) -> list[tuple[int, ...]]:
-    """Greedy longest-first cover of the topological order, as the runtime binds one stage."""
-    chains = sorted(chains, key=len, reverse=True)
-    nodes, found, i = list(pipeline.nodes), [], 0
-    while i < len(nodes):
-        for chain in chains:
-            window = nodes[i : i + len(chain)]
-            if tuple(n.op for n in window) == chain and _fusable(pipeline, window):
-                found.append(tuple(range(i, i + len(chain))))
-                i += len(chain)
-                break
-        else:
-            i += 1
-    return found
-
-
 # -- building ----------------------------------------------------------------------------------
 
 
@@ -246,6 +230,37 @@ def routes(topology: Topology) -> Routes:
     return Routes(resources, divisor, load, ms, per_byte)
 
 
+def _groups(
+    pipeline: Pipeline,
+    topology: Topology,
+    profiles: Mapping[str, Profile],
+    catalog: Catalog,
+    cost: np.ndarray,
+) -> list[Group]:
+    """A group per fusable window per device kind with its fused kernel: on the devices of
+    that kind it runs fused, priced by the profile's entry for the chain, else (no entry) as
+    its nodes' sum; nan on the other devices."""
+    names = [n.name for n in pipeline.nodes]
+    kinds = sorted({dev.kind for dev in topology.devices})
+    found = {kind: fusion.windows(pipeline, catalog.fused.get(kind, ())) for kind in kinds}
+    cut = fusion.cuts(len(names), (w for ws in found.values() for w in ws))
+    groups = []
+    for kind in kinds:
+        for i, j in found[kind]:
+            window = tuple(range(i, j + 1))
+            key = "+".join(pipeline.nodes[v].op for v in window)
+            fused_work = chain_work(pipeline, [names[v] for v in window])
+            delta = np.full(cost.shape[1], np.nan)
+            for d, dev in enumerate(topology.devices):
+                entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
+                own = cost[list(window), d].sum()
+                if dev.kind == kind and np.isfinite(own):
+                    delta[d] = 0.0 if entry is None else max(0.0, entry.ms(fused_work)) - own
+            s0, rows = fusion.table(found[kind], (i, j), cut)
+            groups.append(Group(window, key, delta, s0, rows))
+    return groups
+
+
 def build_model(
     pipeline: Pipeline,
     topology: Topology,
@@ -274,19 +289,7 @@ def build_model(
             else:
                 scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
                 cost[v, d] = max(0.0, entry.ms(work[v] if scaled else full[node.name]))
-    groups = []
-    for kind in sorted({dev.kind for dev in topology.devices}):
-        for window in fusion_windows(pipeline, catalog.fused.get(kind, ())):
-            key = "+".join(pipeline.nodes[i].op for i in window)
-            fused_work = chain_work(pipeline, [names[i] for i in window])
-            delta = np.full(D, np.nan)
-            for d, dev in enumerate(topology.devices):
-                entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
-                own = cost[list(window), d].sum()
-                if dev.kind == kind and entry is not None and np.isfinite(own):
-                    delta[d] = max(0.0, entry.ms(fused_work)) - own
-            if not np.isnan(delta).all():
-                groups.append(Group(window, key, delta))
+    groups = _groups(pipeline, topology, profiles, catalog, cost)
     specs = effective_specs(pipeline)
     outputs = {str(r) for r in pipeline.outputs.values()}
     refs: list[TensorRef] = []

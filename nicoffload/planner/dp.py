@@ -1,11 +1,15 @@
 """Exact dynamic programming over a chain of nodes (decode -> resize -> crop -> normalize).
 
-A state is the device of the last placed node (and how long its run on that device is, for
-fusion) with the vector of everything the objective and the constraints can still grow: each
+A state is the device of the last placed node (and the first node of its run on that device
+whose fusion is not yet decided) with the vector of everything the objective and the constraints can still grow: each
 resource's work, the item's time so far, the latency of outputs already delivered, and memory.
 The future adds the same to every state of one key, so a state dominated componentwise by
 another of its key is never better: pruning those (and states whose lower bound already exceeds
 an incumbent) keeps the search exact. Brute force in the tests checks that.
+
+Which nodes run fused depends on where their run ends (`fusion`), so a run's fused deltas are
+added when that is known: at a cut (no window crosses it; outputs are cuts) or when the next
+node goes elsewhere. Until then a state counts the nodes' own costs (bounds allow for it).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import numpy as np
 
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, best_row, evaluate
+from nicoffload.planner.fusion import group_cuts, settle_table
 
 
 def is_chain(model: CostModel) -> bool:
@@ -34,13 +39,14 @@ def _pareto(vecs: np.ndarray) -> np.ndarray:
     return np.array(kept, dtype=np.intp)
 
 
-def _relief(model: CostModel, v: int) -> np.ndarray:
-    """The most that fused groups not yet complete after node v can still take off each
-    component: states are over-counted by it until their group completes (bounds subtract it)."""
+def _relief(model: CostModel, v: int, cut: np.ndarray) -> np.ndarray:
+    """The most that fused groups not yet added after node v (those ending at or after the
+    last cut before it) can still take off each component (bounds subtract it)."""
     R, D = len(model.resources), len(model.devices)
     out = np.zeros(R + 2 + D)
+    since = int(np.flatnonzero(cut[: v + 1])[-1])
     for g in model.groups:
-        if g.nodes[-1] > v:
+        if g.nodes[-1] >= since:
             gain = np.maximum(0.0, -np.nan_to_num(g.delta, nan=0.0))
             out[:D] += gain
             out[R] += gain.max()
@@ -79,12 +85,10 @@ def solve_chain(
     K = R + 2 + D  # work per resource, time so far, latency of outputs so far, memory per device
     T, LAT = R, R + 1
     cap = _incumbent(model, goal, allowed) * (1 + REL_TOL) + 1e-12
-    ends: dict[int, list] = {}
-    for g in model.groups:
-        ends.setdefault(g.nodes[-1], []).append(g)
+    fused, cut = settle_table(model), group_cuts(model)
     out_of = {u: [r for r in model.refs if r.src == u] for u in range(n)}
     inputs = [r for r in model.refs if r.src < 0]
-    # frontier: (device, run length) -> (vectors (F, K), placements (F, i + 1))
+    # frontier: (device, first node of its run not yet settled) -> (vectors (F, K), placements)
     frontier: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for d in np.flatnonzero(allowed[0]):
         vec = np.zeros(K)
@@ -93,15 +97,17 @@ def solve_chain(
                 vec[:R] += r.nbytes * model.route_load[model.ingress, d]
                 vec[T] = max(vec[T], model.ref_time(r, model.ingress, d))
         vecs = vec[None, :]
-        _place(model, vecs, 0, d, 1, ends)
-        frontier[(d, 1)] = (vecs, np.array([[d]], dtype=np.int8))
-    frontier = _prune(model, goal, frontier, cap, _relief(model, 0))
+        key = (d, _place(model, vecs, 0, d, 0, fused, cut))
+        frontier[key] = (vecs, np.array([[d]], dtype=np.int8))
+    frontier = _prune(model, goal, frontier, cap, _relief(model, 0, cut))
     for v in range(1, n + 1):
         grown: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
         targets = np.flatnonzero(allowed[v]) if v < n else [None]
-        for (d, run), (vecs, placed) in frontier.items():
+        for (d, p), (vecs, placed) in frontier.items():
             for t in targets:
                 new = vecs.copy()
+                if t != d and p < v:  # the run ends at v - 1: its fusion is known now
+                    _settle(new, R, fused[p, v - 1, d], d)
                 for r in out_of[v - 1]:
                     dests = set()
                     if t is not None and v in r.consumers:
@@ -113,22 +119,21 @@ def solve_chain(
                     for dest in dests - {d}:
                         new[:, :R] += r.nbytes * model.route_load[d, dest]
                 if t is None:
-                    grown.setdefault((d, run), []).append((new, placed))
+                    grown.setdefault((d, v), []).append((new, placed))
                     continue
                 arrive = max(
                     (model.ref_time(r, d, t) for r in out_of[v - 1] if v in r.consumers),
                     default=0.0,
                 )
                 new[:, T] += arrive
-                key = (t, run + 1 if t == d else 1)
-                _place(model, new, v, t, key[1], ends)
+                key = (t, _place(model, new, v, t, p if t == d else v, fused, cut))
                 column = np.full((len(placed), 1), t, dtype=np.int8)
                 grown.setdefault(key, []).append((new, np.hstack([placed, column])))
         frontier = {
             k: (np.vstack([a for a, _ in parts]), np.vstack([b for _, b in parts]))
             for k, parts in grown.items()
         }
-        frontier = _prune(model, goal, frontier, cap, _relief(model, v))
+        frontier = _prune(model, goal, frontier, cap, _relief(model, v, cut))
     if not frontier:
         return None
     P = np.vstack([placed for _, placed in frontier.values()]).astype(np.intp)
@@ -136,16 +141,25 @@ def solve_chain(
     return None if i is None else P[i]
 
 
-def _place(model: CostModel, vecs: np.ndarray, v: int, d: int, run: int, ends: dict) -> None:
-    """Add node v on device d (a run of `run` nodes there) to state vectors, in place."""
-    R, _D = len(model.resources), len(model.devices)
+def _settle(vecs: np.ndarray, R: int, delta: float, d: int) -> None:
+    vecs[:, d] += delta
+    vecs[:, R] += delta
+
+
+def _place(
+    model: CostModel, vecs: np.ndarray, v: int, d: int, p: int, fused: np.ndarray, cut: np.ndarray
+) -> int:
+    """Add node v on device d to state vectors, in place, its run's unsettled part starting at
+    node p; at a cut after v that part's fused deltas are added. Returns the new p."""
+    R = len(model.resources)
     ms = model.cost[v, d]
-    for g in ends.get(v, ()):
-        if run >= len(g.nodes) and not np.isnan(g.delta[d]):
-            ms += g.delta[d]
     vecs[:, d] += ms
     vecs[:, R] += ms
     vecs[:, R + 2 + d] += model.mem[v]
+    if cut[v + 1]:
+        _settle(vecs, R, fused[p, v, d], d)
+        return v + 1
+    return p
 
 
 def _prune(model: CostModel, goal: Goal, frontier: dict, cap: float, relief: np.ndarray) -> dict:

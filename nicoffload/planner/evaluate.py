@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nicoffload.planner.cost import CostModel
+from nicoffload.planner.fusion import applied
 
 OBJECTIVES = ("throughput", "latency", "host-cpu")
 REL_TOL = 1e-7
@@ -73,10 +74,10 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
     for v in range(n):
         node_ms[:, v] = model.cost[v, P[:, v]]
         np.add.at(work, (rows, P[:, v]), np.where(np.isfinite(node_ms[:, v]), node_ms[:, v], 0.0))
-    for g in model.groups:
+    fused = applied(model, P)
+    for k, g in enumerate(model.groups):
         dev = P[:, g.nodes[0]]
-        same = np.all(P[:, list(g.nodes)] == dev[:, None], axis=1)
-        delta = np.where(same, np.nan_to_num(g.delta[dev], nan=0.0), 0.0)
+        delta = np.where(fused[:, k], np.nan_to_num(g.delta[dev], nan=0.0), 0.0)
         np.add.at(work, (rows, dev), delta)
         node_ms[:, g.nodes[-1]] += delta
     finish = np.zeros((M, n))

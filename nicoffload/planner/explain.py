@@ -10,6 +10,7 @@ import numpy as np
 
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, Metrics, evaluate
+from nicoffload.planner.fusion import applied
 from nicoffload.topology import Topology
 
 SECONDARY = {"throughput": "latency", "latency": "throughput", "host-cpu": "throughput"}
@@ -56,10 +57,9 @@ def latency_path(model: CostModel, placement: np.ndarray) -> list[dict[str, Any]
     """The critical path of one item: transfers and node times, in order (sums to the latency)."""
     P = placement
     node_ms = model.cost[np.arange(model.n), P].astype(float)
-    for g in model.groups:
-        d = P[g.nodes[0]]
-        if all(P[v] == d for v in g.nodes) and not np.isnan(g.delta[d]):
-            node_ms[g.nodes[-1]] += g.delta[d]
+    fused = applied(model, P[None, :])[0]
+    for g in (g for g, on in zip(model.groups, fused, strict=True) if on):
+        node_ms[g.nodes[-1]] += g.delta[P[g.nodes[0]]]
     finish = np.zeros(model.n)
     came: dict[int, tuple[int, str, float]] = {}
     for v in range(model.n):
@@ -102,10 +102,9 @@ def _merge_fused(
     model: CostModel, P: np.ndarray, steps: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """A fused group runs as one kernel: show it as one step."""
-    for g in model.groups:
+    fused = applied(model, P[None, :])[0]
+    for g in (g for g, on in zip(model.groups, fused, strict=True) if on):
         d = P[g.nodes[0]]
-        if not all(P[v] == d for v in g.nodes) or np.isnan(g.delta[d]):
-            continue
         names = [model.nodes[v] for v in g.nodes]
         at = [i for i, s in enumerate(steps) if s.get("node") in names]
         if len(at) == len(names):

@@ -1,7 +1,9 @@
 """Exact placement of a DAG as a mixed-integer program (scipy.optimize.milp, HiGHS).
 
 x[v,d] = 1 places node v on device d. Products of placements are linearized exactly:
-  z[g,d]  = all nodes of fused group g on d            (z <= x, z >= sum x - (|g| - 1))
+  z[g,d]  = fused group g runs on d: its nodes on d, and their run starts and ends where the
+            runtime's greedy takes g (`fusion`): an AND of x and 1 - x literals, one per cell
+            of the group's table (z <= each literal, z >= their sum - (count - 1))
   y[r,d]  = tensor r must be delivered to device d     (y >= x[consumer,d] - x[src,d])
   q[r,k]  = load tensor r puts on resource k            (q >= sum_d load[s,d,k] y[r,d] - M (1 - x[src,s]))
   e[r,c]  = transfer time of r to its consumer c        (same form, with route times)
@@ -62,6 +64,50 @@ def _grouped(rows: np.ndarray, sources: list[int]) -> list[tuple[list[int], np.n
     return list(groups.values())
 
 
+def _terms(g, n: int) -> list[tuple[list[int], list[int]]]:
+    """When group g runs fused on a device, as disjoint cases (nodes on it, nodes not on it):
+    one case per true cell of its table (the run's start and end), a row of cells that holds
+    for every end as one case."""
+    i, j = g.nodes[0], g.nodes[-1]
+    if g.rows is None or g.rows.all():
+        return [(list(g.nodes), [])]
+    out = []
+    last_r, last_c = g.rows.shape[0] - 1, g.rows.shape[1] - 1
+    for r in range(last_r + 1):
+        s = g.s0 + r  # r == 0: the run starts at s0 or before
+        head = (list(range(s, i)), [s - 1] if r and s > 0 else [])
+        cells = [c for c in range(last_c + 1) if g.rows[r, c]]
+        if len(cells) == last_c + 1:
+            out.append((head[0] + list(g.nodes), head[1]))
+            continue
+        for c in cells:
+            e = j + c  # c == last_c: the run ends there or after
+            tail = [e + 1] if c < last_c and e + 1 < n else []
+            out.append((head[0] + list(range(i, e + 1)), head[1] + tail))
+    return out
+
+
+def _add_fused(b: _Builder, model: CostModel, x: dict, work: list, node_ms: list) -> None:
+    """Each fused group's delta on each device, where the placement fuses it (z[g,d])."""
+    for g in model.groups:
+        for d in range(len(model.devices)):
+            if np.isnan(g.delta[d]) or not g.delta[d] or not all((v, d) in x for v in g.nodes):
+                continue
+            for on, off in _terms(g, model.n):
+                if not all((v, d) in x for v in on):
+                    continue
+                off = [v for v in off if (v, d) in x]  # a node that cannot be on d is not
+                z = b.var(0, 1)
+                for v in on:
+                    b.row({z: 1.0, x[v, d]: -1.0}, hi=0.0)
+                for v in off:
+                    b.row({z: 1.0, x[v, d]: 1.0}, hi=1.0)
+                coefs = {z: 1.0, **{x[v, d]: -1.0 for v in on}, **{x[v, d]: 1.0 for v in off}}
+                b.row(coefs, lo=1.0 - len(on))
+                _add(work[d], z, g.delta[d])
+                _add(node_ms[g.nodes[-1]], z, g.delta[d])
+
+
 def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None):
     b = _Builder()
     n, D, R = model.n, len(model.devices), len(model.resources)
@@ -73,16 +119,7 @@ def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.nd
         _add(node_ms[v], col, model.cost[v, d])
     for v in range(n):
         b.row({x[v, d]: 1.0 for d in range(D) if (v, d) in x}, 1.0, 1.0)
-    for g in model.groups:
-        for d in range(D):
-            if np.isnan(g.delta[d]) or not all((v, d) in x for v in g.nodes):
-                continue
-            z = b.var(0, 1)
-            for v in g.nodes:
-                b.row({z: 1.0, x[v, d]: -1.0}, hi=0.0)
-            b.row({z: 1.0, **{x[v, d]: -1.0 for v in g.nodes}}, lo=1.0 - len(g.nodes))
-            _add(work[d], z, g.delta[d])
-            _add(node_ms[g.nodes[-1]], z, g.delta[d])
+    _add_fused(b, model, x, work, node_ms)
     start = [b.var() for _ in range(n)]
     L = b.var()
     for r in model.refs:

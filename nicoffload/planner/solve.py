@@ -18,6 +18,7 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate
+from nicoffload.planner.fusion import applied
 from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
 from nicoffload.profiles import Profile, load_profile
 from nicoffload.topology import Topology, load_topology, local_topology
@@ -368,14 +369,13 @@ def make_plan(
     m: Metrics = evaluate(model, best[None, :])
     stages, transfers = stages_for(pipeline, placement)
     index = {name: i for i, name in enumerate(model.nodes)}
+    fused = [g for g, on in zip(model.groups, applied(model, best[None, :])[0], strict=True) if on]
     new_stages = []
     for s in stages:
         d = model.devices.index(s.device)
         members = {index[n] for n in s.nodes}
         ms = sum(model.cost[v, d] for v in members)
-        ms += sum(
-            g.delta[d] for g in model.groups if set(g.nodes) <= members and not np.isnan(g.delta[d])
-        )
+        ms += sum(g.delta[d] for g in fused if set(g.nodes) <= members)
         new_stages.append(replace(s, predicted_ms_per_item=round(float(ms), 6)))
     refs = {r.label: r for r in model.refs}
     device_of = {s.name: s.device for s in stages}
