@@ -28,7 +28,7 @@ from nicoffload.planner.milp import solve_milp, solve_nodes
 from nicoffload.planner.plan import stages_for
 from nicoffload.profiles import KernelCost, load_profile, profile_path
 from nicoffload.runtime.stage import bind_steps
-from nicoffload.topology import Device, Link, Topology
+from nicoffload.topology import Device, Link, Topology, load_topology
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True)
 MEAN = "{mean: [0.5, 0.4, 0.3], std: [0.2, 0.2, 0.2]"
@@ -206,3 +206,24 @@ def test_every_solver_finds_the_best_placement_of_what_the_runtime_fuses(seed: i
         _agrees_with_brute_force(model, goal, solve_chain(model, goal))
     _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)  # branch flow
     _agrees_with_brute_force(model, goal, solve_nodes(model, goal).placement)
+
+
+@pytest.mark.parametrize(
+    ("placement", "steps"),
+    [
+        ("DDCC", [("decode", "dpu0"), ("resize", "dpu0"), ("crop+norm", "cpu")]),
+        ("CCCG", [("decode", "cpu"), ("resize+crop", "cpu"), ("norm", "gpu0")]),
+        ("DCCC", [("decode", "dpu0"), ("resize+crop+norm", "cpu")]),
+        ("CCGC", [("decode", "cpu"), ("resize", "cpu"), ("crop", "gpu0"), ("norm", "cpu")]),
+    ],
+)
+def test_a_stage_fuses_from_its_own_first_node(placement: str, steps: list) -> None:
+    """ResNet's decode and resize on the DPU leave crop and normalize to the host, which runs
+    them as one crop+normalize kernel; resize and crop before a GPU normalize fuse too."""
+    pipeline = load_pipeline("pipelines/resnet50.yaml")
+    topology = load_topology("pipelines/topologies/bluefield3-h100.yaml")
+    profiles = {d.id: load_profile(profile_path(SHIPPED[d.kind])) for d in topology.devices}
+    model = build_model(pipeline, topology, profiles, Catalog.from_registry())
+    where = {"C": "cpu", "D": "dpu0", "G": "gpu0"}
+    P = np.array([model.devices.index(where[c]) for c in placement])
+    assert [("+".join(names), dev) for names, dev in planner_steps(model, P)] == steps
