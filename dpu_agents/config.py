@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from dpu_agents.protocol import DEFAULT_MAX_REQUEST_BYTES
 from nicoffload.errors import Mark, UserError
@@ -38,7 +39,25 @@ class AgentConfig:
     io_timeout_s: float = 30.0  # a peer silent this long in the middle of a frame is dropped
     forward_timeout_s: float = 60.0  # the next placement holds every slot this long: fail
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight work gets this long to finish
-    dedup_window: int = 1 << 20  # request ids remembered per session for exactly-once
+    dedup_window: int = 1 << 20  # ids below a session's newest that are told apart (1 bit each)
+    forward_allow: tuple[str, ...] = ()  # CIDRs a LOAD may forward to, besides the client's own
+    tokenizer_dir: str = ""  # where a LOAD's tokenizer ids are looked up (`<id>.json`)
+    auth_failures: int = 10  # wrong tokens from one address within auth_failures_window_s...
+    auth_failures_window_s: float = 60.0
+    auth_block_s: float = 60.0  # ...and its new connections are dropped this long
+    # Memory budget (dpu_agents/budget.py): over it a client waits (its socket is not read);
+    # one request larger than its pool fails as too_large.
+    queued_bytes: int = 1 << 30  # request payloads received and not yet forwarded, all clients
+    queued_bytes_per_client: int = 256 << 20
+    decode_bytes: int = 2 << 30  # images being decoded (sized from their headers), all clients
+    decode_bytes_per_client: int = 512 << 20
+    batch_bytes: int = 2 << 30  # the batch slots of every loaded stage
+    payload_timeout_s: float = 20.0  # a request's whole payload must arrive within this
+    # What a LOAD may ask for; above it the LOAD is refused, naming the key.
+    max_pixels: int = 40_000_000  # a decode_image node's max_pixels
+    max_batch: int = 1024  # batch_max_size
+    max_value_bytes: int = 64 << 20  # one item's value of any node of the stage (static shapes)
+    max_slot_bytes: int = 256 << 20  # one batch slot: batch size x the bytes forwarded per item
     log_level: str = "info"
 
     def replace(self, **changes: Any) -> AgentConfig:
@@ -49,7 +68,13 @@ class AgentConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
 _COUNTS = [n for n, f in _FIELDS.items() if f.type == "int" and n != "cores"]
-_TYPES: dict[str, Any] = {"int": int, "float": (int, float), "str": str, "bool": bool}
+_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": (int, float),
+    "str": str,
+    "bool": bool,
+    "tuple[str, ...]": list,
+}
 
 
 def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
@@ -65,6 +90,16 @@ def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
         value = getattr(cfg, name)
         if value:
             split_hostport(value, name, mark)
+    if cfg.tokenizer_dir and not Path(cfg.tokenizer_dir).is_dir():
+        raise UserError(f"'tokenizer_dir' {cfg.tokenizer_dir!r} is not a directory", mark)
+    for cidr in cfg.forward_allow:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise UserError(
+                f"'forward_allow': {cidr!r} is not an address or network (e.g. '10.0.0.0/24')",
+                mark,
+            ) from None
     if cfg.metrics and not cfg.metrics_remote and not is_loopback(split_hostport(cfg.metrics)[0]):
         raise UserError(
             f"'metrics' {cfg.metrics!r} is not a loopback address: the endpoint is unauthenticated "
@@ -82,6 +117,34 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `host` spells (an IPv4-mapped IPv6 one as IPv4); None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def may_forward(target: str, client: str, here: str, allow: tuple[str, ...]) -> bool:
+    """Whether a LOAD from `client` (an IP address) may send its outputs to `target` (its
+    forward_to): over tcp or rdma, to the client's own address or one in `allow` (CIDRs); over
+    shm (a segment of this machine, whose address is `here`), for a client on this machine. A
+    name is never resolved: the agent connects only where the operator said it may."""
+    peer = ip_of(client)
+    if peer is None:
+        return False
+    if target.startswith("shm://"):
+        return peer.is_loopback or peer == ip_of(here)
+    try:
+        ip = ip_of(urlsplit(target).hostname or "")
+    except ValueError:
+        return False
+    if ip is None:
+        return False
+    return ip == peer or any(ip in ipaddress.ip_network(n, strict=False) for n in allow)
 
 
 def split_hostport(text: str, what: str = "address", mark: Mark | None = None) -> tuple[str, int]:
@@ -112,4 +175,8 @@ def load_config(path: str | Path | None) -> AgentConfig:
         want = _TYPES[str(field.type)]
         if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
             raise UserError(f"'{key}' must be of type {field.type}, got {value!r}", mark)
+        if want is list:
+            if not all(isinstance(v, str) for v in value):
+                raise UserError(f"'{key}' must be a list of strings, got {value!r}", mark)
+            values[key] = tuple(value)
     return _checked(AgentConfig(**values), mark)

@@ -8,13 +8,17 @@ Whatever arrives is checked before it is used. A malformed or unexpected frame g
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from dpu_agents import auth
+import numpy as np
+
+from dpu_agents import auth, budget
 from dpu_agents.admission import Admission
+from dpu_agents.config import may_forward
 from dpu_agents.logs import log_event
 from dpu_agents.protocol import (
     CALLS,
@@ -35,7 +39,7 @@ from dpu_agents.protocol import (
 from dpu_agents.session import Session
 from dpu_agents.stagebuild import build_stage
 from nicoffload.errors import AgentError, FrameError, TransportError
-from nicoffload.transport import connect
+from nicoffload.transport import Sender, connect
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import DType, Header, Kind, decode_meta, encode_meta, error_frame
 
@@ -44,7 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpu_agents.connection")
 FORWARD_SCHEMES = ("tcp://", "shm://", "rdma://")
+WRONG_TOKEN = "wrong token"  # the refusal that counts against its address (server.AuthLimit)
+STAGE_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")  # it becomes a metrics label
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+DISCARD = 1 << 20  # a refused payload is read and dropped in pieces this big
 
 
 class Refused(Exception):
@@ -61,6 +68,10 @@ class Connection:
         self.evicted = ""  # why the agent dropped it before it authenticated
         self.ch = Channel(sock, f"client {peer}", io_timeout=self.cfg.io_timeout_s)
         self.session: Session | None = None
+        self.forward_key: bytes | None = None  # set by the handshake (auth.session_keys)
+        self.budget = budget.shared(agent)
+        self.account = self.budget.client()
+        self._late = False  # its payload did not arrive within payload_timeout_s
         self._lock = threading.Lock()
         self._outstanding = 0  # requests whose credit the client has not got back
         self._busy = False  # a LOAD or DRAIN is running on its helper thread
@@ -76,8 +87,10 @@ class Connection:
                 return
             self._loop()
         except FrameError as exc:
-            self.agent.metrics.error("bad_frame")
-            log_event(log, logging.WARNING, "bad_frame", peer=self.peer, error=str(exc))
+            # A frame whose MAC fails (altered, replayed, injected) is counted on its own.
+            reason = "bad_mac" if getattr(exc, "field", "") == "mac" else "bad_frame"
+            self.agent.metrics.error(reason)
+            log_event(log, logging.WARNING, reason, peer=self.peer, error=str(exc))
             self.ch.post(error_frame(exc), _DONTWAIT)
         except (TransportError, AgentError) as exc:
             log_event(log, logging.INFO, "connection_lost", peer=self.peer, error=str(exc))
@@ -116,12 +129,14 @@ class Connection:
             session = self.session
         if session is not None:
             session.close(self.cfg.drain_timeout_s)
+        self.account.close()
         self.ch.shutdown()
         self.ch.close()
         self.agent.forget(self)
 
     def stop(self) -> None:
-        """Wake the reader: it sees EOF and finishes the session."""
+        """Wake the reader: it sees EOF (or stops waiting for memory) and finishes the session."""
+        self.account.cancel()
         self.ch.shutdown()
 
     def evict(self, why: str) -> None:
@@ -137,12 +152,14 @@ class Connection:
 
     def _handshake(self) -> None:
         deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        self.ch.record()  # the session's keys are bound to the four frames of the handshake
         hello = self._first(Kind.HELLO, HelloMeta, deadline)
         if hello.protocol != PROTOCOL:
             raise Refused(f"protocol {hello.protocol!r}, this agent speaks {PROTOCOL}")
         self.agent.admission.greeted(self)
         nonce = auth.nonce()
-        self.ch.send(frame(Kind.CHALLENGE, ChallengeMeta(nonce, self.agent.name)))
+        # the agent's name only in WELCOME: a stranger learns nothing about the machine
+        self.ch.send(frame(Kind.CHALLENGE, ChallengeMeta(nonce, "")))
         answer = self._first(Kind.AUTH, AuthMeta, deadline)
         if len(answer.nonce) != auth.NONCE_BYTES:
             raise Refused(f"a client nonce of {len(answer.nonce)} bytes")
@@ -151,7 +168,7 @@ class Connection:
                 auth.client_proof(self.agent.token, nonce, answer.nonce), answer.proof, "client"
             )
         except AgentError:
-            raise Refused("wrong token") from None
+            raise Refused(WRONG_TOKEN) from None
         why = self.agent.admission.promote(self)
         if why == Admission.GONE:
             raise Refused(self.evicted or why)
@@ -160,6 +177,9 @@ class Connection:
         proof = auth.server_proof(self.agent.token, nonce, answer.nonce)
         welcome = WelcomeMeta(proof, self.agent.name, self.agent.pool.n, self.cfg.max_request_bytes)
         self.ch.send(frame(Kind.WELCOME, welcome))
+        keys = auth.session_keys(self.agent.token, nonce, answer.nonce, self.ch.transcript())
+        self.ch.secure(send_key=keys.agent, recv_key=keys.client)  # every later frame: a MAC
+        self.forward_key = keys.forward
         log_event(log, logging.INFO, "authenticated", peer=self.peer, client=hello.client)
 
     def _first(self, kind: Kind, type_: Any, deadline: float) -> Any:
@@ -195,7 +215,9 @@ class Connection:
             else:
                 raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
 
-    def _payload(self, header: Header, limit: int) -> bytes:
+    def _payload(self, header: Header, limit: int, keep: bool = True) -> bytes:
+        """The frame's payload, checked against `limit` before anything is allocated (a
+        request's is also in the budget by now); `keep=False` reads it and drops it."""
         if header.dtype is not DType.NONE:
             raise FrameError(f"malformed frame: dtype: {header.kind.name} carries raw bytes")
         if header.payload_len > limit:
@@ -203,9 +225,32 @@ class Connection:
                 f"malformed frame: payload_len: {header.payload_len} > {limit} "
                 f"for {header.kind.name}"
             )
-        buf = bytearray(header.payload_len)
-        self.ch.read_into(memoryview(buf))
-        return bytes(buf)
+        n = header.payload_len
+        if n == 0:
+            return b""
+        # Pages are touched as bytes arrive (np.empty, not a zeroed bytearray), and the whole
+        # payload must be in within payload_timeout_s, however it trickles.
+        buf = memoryview(np.empty(min(n, DISCARD) if not keep else n, np.uint8))
+        deadlines = self.budget.deadlines
+        deadlines.arm(id(self), time.monotonic() + self.cfg.payload_timeout_s, self._too_slow)
+        try:
+            for at in range(0, n, len(buf)):
+                self.ch.read_into(buf[: min(len(buf), n - at)])
+        except TransportError:
+            if self._late:
+                raise TransportError(
+                    f"{self.peer}: {n} payload bytes not in within {self.cfg.payload_timeout_s} s"
+                ) from None
+            raise
+        finally:
+            deadlines.disarm(id(self))
+        return buf.tobytes() if keep else b""
+
+    def _too_slow(self) -> None:
+        self._late = True
+        why = f"a payload not received within payload_timeout_s ({self.cfg.payload_timeout_s} s)"
+        self.ch.post(error_frame(AgentError(why)), _DONTWAIT)
+        self.ch.shutdown()
 
     def _request(self, header: Header, blob: bytes) -> None:
         meta = decode_meta(blob, RequestMeta)
@@ -218,16 +263,36 @@ class Connection:
                 raise FrameError(
                     f"malformed frame: kind: REQUEST without credit ({self.cfg.window})"
                 )
-        payload = self._payload(header, self.cfg.max_request_bytes)
-        self.agent.metrics.request(len(payload))
-        values, reject = None, ("", "")
-        try:
-            values = self._values(session, meta, payload)
-        except ValueError as exc:
-            reject = ("bad_request", str(exc))
-        if self.agent.draining:
+        n = header.payload_len
+        # In the budget before a byte of it is read; over it, this socket is not read
+        # (backpressure) until forwarded requests give memory back. Only a request that no
+        # wait could fit is refused, as an item.
+        reject = _over(self.account, budget.QUEUED, n, "a request's payload")
+        queued = n if not reject[0] and n <= self.cfg.max_request_bytes else 0
+        self.account.reserve(budget.QUEUED, queued, self.cfg.forward_timeout_s)
+        payload = self._payload(header, self.cfg.max_request_bytes, keep=not reject[0])
+        self.agent.metrics.request(n)
+        values, decode = None, 0
+        if not reject[0]:
+            try:
+                values = self._values(session, meta, payload)
+                decode = session.decode_cost(values)
+                reject = _over(self.account, budget.DECODE, decode)
+            except ValueError as exc:
+                reject = ("bad_request", str(exc))
+        del payload  # the values hold their own copies
+        if reject[0]:
+            values = None
+        elif self.agent.draining:
             values, reject = None, ("agent_draining", "the agent is shutting down")
-        if not session.admit(header.request_id, values, reject):
+        else:
+            self.account.reserve(budget.DECODE, decode, self.cfg.forward_timeout_s)
+        cost = (queued, decode) if values is not None else (0, 0)
+        if values is None:
+            self.account.release(budget.QUEUED, queued)
+        if not session.admit(header.request_id, values, reject, cost):
+            self.account.release(budget.QUEUED, cost[0])
+            self.account.release(budget.DECODE, cost[1])
             self.agent.metrics.duplicate()
             self._credit(1)
 
@@ -299,8 +364,13 @@ class Connection:
             raise AgentError("a stage is already loaded on this connection; open another")
         if not load.forward_to.startswith(FORWARD_SCHEMES):
             raise AgentError(
-                f"forward_to {load.forward_to!r}: expected tcp://..., shm://... or rdma://..."
+                f"forward_to {load.forward_to[:100]!r}: expected tcp://..., shm://... or rdma://..."
             )
+        if not STAGE_NAME.fullmatch(load.stage):
+            raise AgentError(
+                f"stage name {load.stage[:80]!r}: expected 1 to 64 of A-Z a-z 0-9 _ . @ -"
+            )
+        self._check_forward(load.forward_to)
         if not 0 <= load.yaml_bytes <= len(payload):
             raise AgentError(f"yaml_bytes {load.yaml_bytes} > the payload of {len(payload)}")
         try:
@@ -310,15 +380,10 @@ class Connection:
             raise AgentError(f"the pipeline or plan is not utf-8: {exc}") from None
         t0 = time.perf_counter()
         built = build_stage(
-            yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms
+            yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms, self.cfg
         )
         _check_requests_fit(built.pipeline.inputs)
-        sender = connect(
-            load.forward_to,
-            timeout=self.cfg.handshake_timeout_s,
-            pipeline_id=built.pipeline_id,
-            stage_id=built.next_stage_id,
-        )
+        sender = self._connect(load.forward_to, built.pipeline_id, built.next_stage_id)
         try:
             session = Session(
                 built,
@@ -329,6 +394,7 @@ class Connection:
                 on_fatal=self._fatal,
                 forward_timeout=self.cfg.forward_timeout_s,
                 dedup_window=self.cfg.dedup_window,
+                account=self.account,
             )
         except BaseException:
             sender.close()
@@ -351,6 +417,37 @@ class Connection:
         )
         return LoadAck(session.name, self.cfg.window, built.outputs())
 
+    def _check_forward(self, forward_to: str) -> None:
+        here = self.ch.sock.getsockname()[0]
+        if not may_forward(forward_to, self.peer.rpartition(":")[0], here, self.cfg.forward_allow):
+            raise AgentError(
+                f"forward_to {forward_to[:100]!r}: not an address this agent forwards to (the "
+                "client's own IP address, or one in the agent's forward_allow)"
+            )
+
+    def _connect(self, forward_to: str, pipeline_id: int, stage_id: int) -> Sender:
+        """The sender to the next placement. However it fails (refused, closed, silent, a peer
+        speaking another protocol, a segment not ours), the client is told the same, at the
+        same moment (the connect deadline): a LOAD is no probe of what the agent can reach.
+        The operator's log has the cause."""
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        try:
+            return connect(
+                forward_to,
+                timeout=self.cfg.handshake_timeout_s,
+                pipeline_id=pipeline_id,
+                stage_id=stage_id,
+                key=self.forward_key,  # a receiver with the session's forward key checks it
+            )
+        except (TransportError, OSError, ValueError) as exc:
+            why = {"peer": self.peer, "forward_to": forward_to, "error": str(exc)[:200]}
+            log_event(log, logging.WARNING, "forward_refused", **why)
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        raise AgentError(
+            f"forward_to {forward_to[:100]!r}: no receiver could be opened there within "
+            f"{self.cfg.handshake_timeout_s} s"
+        )
+
     def _drain(self) -> dict[str, Any]:
         s = self.session
         if s is None:
@@ -364,6 +461,15 @@ class Connection:
         """The session cannot go on (its receiver is gone): tell the client, then hang up."""
         self.ch.post(error_frame(AgentError(f"forwarding failed: {exc}")), _DONTWAIT)
         self.ch.shutdown()
+
+
+def _over(account: budget.Account, kind: str, n: int, what: str = "") -> tuple[str, str]:
+    """The reject of an item whose `n` bytes of `kind` no wait could ever fit, else ('', '')."""
+    most = account.most(kind)
+    if n <= most:
+        return "", ""
+    what = what or "decoding this request's images"
+    return "too_large", f"{what} needs {n} bytes, more than the agent's {kind} budget ({most})"
 
 
 def _check_requests_fit(inputs: Any) -> None:

@@ -1,11 +1,18 @@
 """The agent's measurements: Prometheus metrics in the agent's own registry (served by
 `--metrics HOST:PORT`), and the same numbers as a plain dict for the STATS reply.
+
+Stage names come from clients: as label values they are bounded in length (LOAD refuses a name
+that is not `[A-Za-z0-9_.@-]{1,64}`) and in number: past `max_labels` stages (and as many
+queues), the series of the one updated least recently is removed for the new one, so labels of
+closed sessions go first and a stream of new names cannot grow the registry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from nicoffload.errors import MissingDependency
@@ -18,12 +25,33 @@ except ImportError as exc:  # the agent's extra
 
 # Per-item stage time: from tens of microseconds (a crop) to a second (a huge decode).
 STAGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+MAX_LABELS = 128  # stage labels kept (and queue labels): twice the default max_connections
+MAX_LABEL_CHARS = 64
+
+
+class _Labels:
+    """Label values in the order of their last use; `use` returns the value to record under
+    after evicting (`drop`) the least recently used one when a new value would pass `limit`."""
+
+    def __init__(self, limit: int, drop: Callable[[str], None]) -> None:
+        self.limit, self._drop = limit, drop
+        self._order: OrderedDict[str, None] = OrderedDict()
+
+    def use(self, value: str) -> str:
+        value = value[:MAX_LABEL_CHARS]
+        if value in self._order:
+            self._order.move_to_end(value)
+            return value
+        while len(self._order) >= self.limit:
+            self._drop(self._order.popitem(last=False)[0])
+        self._order[value] = None
+        return value
 
 
 class Metrics:
     """Counters the agent updates; `snapshot()` is the STATS document."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_labels: int = MAX_LABELS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._requests = PromCounter(
@@ -61,6 +89,19 @@ class Metrics:
         self._stage_s: Counter[str] = Counter()
         self._stage_n: Counter[str] = Counter()
         self._depth: dict[str, int] = {}
+        self._stages = _Labels(max_labels, self._drop_stage)
+        self._queues = _Labels(max_labels, self._drop_queue)
+
+    def _drop_stage(self, stage: str) -> None:  # under self._lock
+        with contextlib.suppress(KeyError):
+            self._stage.remove(stage)
+        self._stage_s.pop(stage, None)
+        self._stage_n.pop(stage, None)
+
+    def _drop_queue(self, queue: str) -> None:  # under self._lock
+        with contextlib.suppress(KeyError):
+            self._queue.remove(queue)
+        self._depth.pop(queue, None)
 
     def request(self, nbytes: int) -> None:
         self._requests.inc()
@@ -80,9 +121,10 @@ class Metrics:
             self._reasons[reason] += 1
 
     def item(self, stage: str, seconds: float, ok: bool) -> None:
-        self._stage.labels(stage).observe(seconds)
         self._items.labels("ok" if ok else "failed").inc()
         with self._lock:
+            stage = self._stages.use(stage)
+            self._stage.labels(stage).observe(seconds)
             self._stage_s[stage] += seconds
             self._stage_n[stage] += 1
             self._counts["items_ok" if ok else "items_failed"] += 1
@@ -95,8 +137,9 @@ class Metrics:
             self._counts["bytes_out"] += nbytes
 
     def depth(self, queue: str, n: int) -> None:
-        self._queue.labels(queue).set(n)
         with self._lock:
+            queue = self._queues.use(queue)
+            self._queue.labels(queue).set(n)
             self._depth[queue] = n
 
     def connections(self, n: int) -> None:

@@ -21,12 +21,13 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict, deque
 from typing import Any
 
 from dpu_agents import auth, logs
 from dpu_agents.admission import Admission
 from dpu_agents.config import AgentConfig, load_config, split_hostport
-from dpu_agents.connection import Connection
+from dpu_agents.connection import WRONG_TOKEN, Connection
 from dpu_agents.logs import Tally, log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.metrics_http import MetricsServer
@@ -61,7 +62,11 @@ class Agent:
             config.max_connections,
             config.handshake_timeout_s + LATE_S,
         )
-        self.refusals = Tally(log, "auth_refused")  # what strangers cause: counted, not a line each
+        self.auth_limit = AuthLimit(
+            config.auth_failures, config.auth_failures_window_s, config.auth_block_s
+        )
+        # what strangers cause: counted, not a line each; wrong tokens also per address
+        self.refusals = Refusals(Tally(log, "auth_refused"), self.auth_limit)
         self._accept_errors = Tally(log, "accept_failed", level=logging.ERROR)
         host, port = split_hostport(config.listen, "listen")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -119,6 +124,11 @@ class Agent:
         try:
             sock, addr = self._listener.accept()
         except BlockingIOError:
+            return
+        if self.auth_limit.blocked(addr[0]):  # it guessed wrong too often: not a byte read
+            sock.close()
+            self.metrics.error("auth_rate_limited")
+            self.refusals.note("dropped: too many wrong tokens", f"{addr[0]}:{addr[1]}")
             return
         try:
             sock.setblocking(True)
@@ -213,6 +223,63 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AuthLimit:
+    """Wrong tokens per address: `limit` of them within `window_s`, and that address's new
+    connections are closed as they are accepted for `block_s`. At most MAX_ADDRESSES are
+    followed at once (past that, the one that failed longest ago is forgotten)."""
+
+    MAX_ADDRESSES = 4096
+
+    def __init__(
+        self, limit: int, window_s: float, block_s: float, clock: Any = time.monotonic
+    ) -> None:
+        self.limit, self.window_s, self.block_s, self._clock = limit, window_s, block_s, clock
+        self._lock = threading.Lock()
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._until: dict[str, float] = {}  # address -> when its block ends
+
+    def failed(self, address: str) -> None:
+        now = self._clock()
+        with self._lock:
+            times = self._failures.pop(address, None) or deque()
+            times.append(now)
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+            if len(times) >= self.limit:
+                self._until[address] = now + self.block_s
+                times.clear()
+            self._failures[address] = times  # the most recent failure last
+            while len(self._failures) > self.MAX_ADDRESSES:
+                self._failures.popitem(last=False)
+
+    def blocked(self, address: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            until = self._until.get(address)
+            if until is not None and until <= now:
+                del self._until[address]
+                until = None
+            if len(self._until) > self.MAX_ADDRESSES:  # many blocks: forget the lapsed ones
+                self._until = {a: t for a, t in self._until.items() if t > now}
+            return until is not None
+
+
+class Refusals:
+    """The handshakes that failed: counted in the log (a Tally), and a wrong token counted
+    against its address too (`AuthLimit`)."""
+
+    def __init__(self, tally: Tally, limit: AuthLimit) -> None:
+        self._tally, self._limit = tally, limit
+
+    def note(self, reason: str, peer: str = "") -> None:
+        self._tally.note(reason, peer)
+        if reason == WRONG_TOKEN:
+            self._limit.failed(peer.rpartition(":")[0] or peer)
+
+    def flush(self, force: bool = False) -> None:
+        self._tally.flush(force)
 
 
 def _metrics_server(cfg: AgentConfig, metrics: Metrics) -> MetricsServer:

@@ -2,8 +2,9 @@
 and every batch's outputs forwarded, in order, to the next placement's receiver.
 
 Backpressure runs back to the client: the receiver holds its slots -> `send` blocks -> the batch
-ring is full -> the batcher stops -> requests queue -> their credits are not returned -> the
-client's `submit` blocks.
+ring is full -> the batcher stops -> requests queue -> their credits are not returned, and their
+bytes are not given back to the client's memory budget (`budget.py`), so the connection stops
+reading -> the client's `submit` blocks.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from dpu_agents import budget
 from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.stagebuild import Built
-from nicoffload.errors import ItemError, TransportError
+from nicoffload.errors import AgentError, ItemError, TransportError
 from nicoffload.runtime.batch import UNWRITTEN
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.transport import Sender
@@ -29,6 +31,78 @@ from nicoffload.transport import Sender
 log = logging.getLogger("dpu_agents.session")
 BATCHES_IN_FLIGHT = 3  # batch slots per session: one filling, one running, one being sent
 _END = object()
+
+
+class SeenIds:
+    """The request ids a session admitted, for exactly-once delivery. A client numbers its
+    requests in increasing order, so the newest id and one bit for each of the `span` ids below
+    it tell a repeat apart; an id older than that is taken as seen. span / 8 bytes however many
+    requests come (a dict of the last 1 M ids was 80 MB)."""
+
+    def __init__(self, span: int) -> None:
+        self.span, self.high = span, -1
+        self._bits = bytearray(-(-span // 8))
+
+    def add(self, rid: int) -> bool:
+        """Remember `rid`; False if it was seen (or is too old to tell)."""
+        if rid > self.high:
+            self._clear(self.high + 1, rid)  # the ids coming into the window: none seen yet
+            self.high = rid
+        elif rid <= self.high - self.span:
+            return False
+        byte, bit = divmod(rid % self.span, 8)
+        if self._bits[byte] >> bit & 1:
+            return False
+        self._bits[byte] |= 1 << bit
+        return True
+
+    def _clear(self, lo: int, hi: int) -> None:
+        """Forget the bits of ids lo..hi (their places held ids that fell out of the window)."""
+        n = hi - lo + 1
+        if n >= self.span:
+            self._bits[:] = bytes(len(self._bits))
+            return
+        start = lo % self.span
+        self._clear_bits(start, min(start + n, self.span))
+        self._clear_bits(0, start + n - self.span)
+
+    def _clear_bits(self, a: int, b: int) -> None:
+        while a < b and a & 7:
+            self._bits[a >> 3] &= ~(1 << (a & 7)) & 0xFF
+            a += 1
+        while a < b and b & 7:
+            b -= 1
+            self._bits[b >> 3] &= ~(1 << (b & 7)) & 0xFF
+        if a < b:
+            self._bits[a >> 3 : b >> 3] = bytes((b - a) >> 3)
+
+
+FAILED_DETAILS = 6_000  # bytes of per-id reasons and details in one batch's meta
+DETAIL_CHARS = 500  # of one row's detail there
+GROUP_CHARS = 64  # of a reason, and of the one detail of each reason in `failed_rows`
+
+
+def failed_meta(ids: list[int], failed: dict[int, tuple[str, str]]) -> dict[str, Any]:
+    """The failed rows of a batch as its meta carries them, well inside MAX_META whatever the
+    batch size (4096 ids of 9 bytes take 37 kB): `failed` {request id: [reason, detail]} while
+    they fit FAILED_DETAILS bytes, then `failed_rows` [[reason, detail, [row, ...]], ...], the
+    other rows by their index in the batch (3 bytes each at most), grouped by reason with the
+    first one's detail (`nicoffload.runtime.remote.failed_of` reads both)."""
+    detailed: dict[int, list[str]] = {}
+    grouped: dict[str, list[Any]] = {}
+    used = 0
+    for row in sorted(failed):
+        reason, detail = failed[row][0][:GROUP_CHARS], failed[row][1][:DETAIL_CHARS]
+        cost = len(reason.encode()) + len(detail.encode()) + 16  # at least its msgpack bytes
+        if not grouped and used + cost <= FAILED_DETAILS:
+            detailed[ids[row]] = [reason, detail]
+            used += cost
+        else:
+            grouped.setdefault(reason, [reason, detail[:GROUP_CHARS], []])[2].append(row)
+    meta: dict[str, Any] = {"failed": detailed}
+    if grouped:
+        meta["failed_rows"] = list(grouped.values())
+    return meta
 
 
 class WorkerPool:
@@ -70,6 +144,7 @@ class _Item:
     request_id: int
     values: dict[str, Any] | None  # None: rejected at the ingress, `reject` says why
     reject: tuple[str, str] = ("", "")
+    cost: tuple[int, int] = (0, 0)  # (queued, decode) bytes of the budget, given back once sent
 
 
 @dataclass
@@ -77,6 +152,7 @@ class _Batch:
     slot: BatchSlot
     ids: list[int] = field(default_factory=list)
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)
+    cost: tuple[int, int] = (0, 0)  # its items' budget, given back once it is forwarded
     pending: int = 1  # the batcher's own hold until every row is dispatched
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -104,15 +180,26 @@ class Session:
         on_fatal: Callable[[BaseException], None],
         forward_timeout: float,
         dedup_window: int,
+        account: budget.Account | None = None,
     ) -> None:
         self.built, self.sender, self.pool, self.metrics = built, sender, pool, metrics
         self.name = built.stage.plan.name
         self._on_credit, self._on_fatal = on_credit, on_fatal
         self._forward_timeout, self._dedup_window = forward_timeout, dedup_window
+        self._account = account
+        self.slot_bytes = BATCHES_IN_FLIGHT * built.slot_bytes()
+        if account is not None and not account.take(budget.BATCH, self.slot_bytes):
+            b = account.budget
+            raise AgentError(
+                f"the stage's batch slots need {self.slot_bytes} bytes; the agent's batch_bytes "
+                f"({b.total[budget.BATCH]}) has {b.total[budget.BATCH] - b.snapshot()['batch']} "
+                "left: lower the batch size, or try when other sessions have closed"
+            )
+        self.decode_cost = budget.decode_costs(built)
         self._ring = SlotRing(built.out_specs, built.batch_max_size, BATCHES_IN_FLIGHT)
         self._ingress: queue.Queue[Any] = queue.Queue()
         self._formed: queue.Queue[Any] = queue.Queue()
-        self._seen: dict[int, None] = {}  # insertion-ordered: the oldest id is evicted first
+        self._seen = SeenIds(dedup_window)
         self._cond = threading.Condition()
         self.admitted = self.forwarded = 0
         self.broken: BaseException | None = None
@@ -127,17 +214,19 @@ class Session:
     # --- ingress ---------------------------------------------------------------------------
 
     def admit(
-        self, request_id: int, values: dict[str, Any] | None, reject: tuple[str, str] = ("", "")
+        self,
+        request_id: int,
+        values: dict[str, Any] | None,
+        reject: tuple[str, str] = ("", ""),
+        cost: tuple[int, int] = (0, 0),
     ) -> bool:
-        """Queue a request (values None: it fails with `reject`); False if its id was seen."""
+        """Queue a request (values None: it fails with `reject`); False if its id was seen.
+        `cost` (queued, decode bytes) is given back to the account once it is forwarded."""
         with self._cond:
-            if request_id in self._seen or self._closed:
+            if self._closed or not self._seen.add(request_id):
                 return False
-            self._seen[request_id] = None
-            if len(self._seen) > self._dedup_window:
-                del self._seen[next(iter(self._seen))]
             self.admitted += 1
-        self._ingress.put(_Item(request_id, values, reject))
+        self._ingress.put(_Item(request_id, values, reject, cost))
         self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
         return True
 
@@ -152,12 +241,15 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+            self._seen = SeenIds(1)  # nothing is admitted any more: its memory goes now
         self._ingress.put(_END)
         self._threads[0].join(timeout)
         self._threads[1].join(max(0.1, timeout))
         self.sender.close()  # also wakes a forwarder blocked on a full receiver
         for t in self._threads:
             t.join(5.0)
+        if self._account is not None:
+            self._account.release(budget.BATCH, self.slot_bytes)
 
     # --- batching and running --------------------------------------------------------------
 
@@ -182,6 +274,7 @@ class Session:
             self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
             batch = _Batch(self._ring.take())
             batch.ids = [it.request_id for it in items]
+            batch.cost = (sum(it.cost[0] for it in items), sum(it.cost[1] for it in items))
             batch.pending += len(items)
             self._formed.put(batch)
             for row, it in enumerate(items):
@@ -220,6 +313,8 @@ class Session:
         except Exception as exc:  # a kernel bug fails the item, never the agent
             reason, detail = "internal", f"{type(exc).__name__}: {exc}"
             log_event(log, logging.ERROR, "item_failed", stage=self.name, error=detail)
+        finally:
+            values.clear()  # its inputs and decoded images go now, not when the batcher moves on
         self.metrics.item(self.name, time.perf_counter() - t0, not reason)
         if reason:
             self.metrics.error(reason)
@@ -238,6 +333,9 @@ class Session:
                     log_event(log, logging.ERROR, "forward_failed", stage=self.name, error=str(exc))
                     self._on_fatal(exc)
             self._ring.give(batch.slot)
+            if self._account is not None:
+                self._account.release(budget.QUEUED, batch.cost[0])
+                self._account.release(budget.DECODE, batch.cost[1])
             with self._cond:
                 self.forwarded += n
                 self._cond.notify_all()
@@ -261,10 +359,9 @@ class Session:
                 if ok[row]:
                     tensors[f"{k}@{row}"] = rows[row]
                 rows[row] = None
-        cut = max(16, 32_000 // max(1, len(batch.failed)))  # keeps the meta under MAX_META
-        failed = {batch.ids[r]: [why, detail[:cut]] for r, (why, detail) in batch.failed.items()}
         # sent_ns lets a host on the same clock time the transfer (run --json "transfers")
-        meta = {"request_ids": batch.ids, "failed": failed, "sent_ns": time.time_ns()}
+        meta = {"request_ids": batch.ids, **failed_meta(batch.ids, batch.failed)}
+        meta["sent_ns"] = time.time_ns()
         self.sender.send(
             tensors, request_id=batch.ids[0], batch_size=n, meta=meta, timeout=self._forward_timeout
         )

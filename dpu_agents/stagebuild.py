@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpu_agents.protocol import OutputMeta
 from nicoffload.errors import AgentError, NicoffloadError, UserError
@@ -18,6 +20,9 @@ from nicoffload.planner.plan import Plan
 from nicoffload.runtime.remote import leaving
 from nicoffload.runtime.stage import Stage
 from nicoffload.transport.frame import DType
+
+if TYPE_CHECKING:
+    from dpu_agents.config import AgentConfig
 
 MAX_BATCH = 4096
 MAX_WAIT_MS = 10_000.0
@@ -34,6 +39,11 @@ class Built:
     pipeline_id: int = 0  # stamped in the forwarded frames' headers: what the NIC steers on
     next_stage_id: int = 0
 
+    def slot_bytes(self) -> int:
+        """One batch slot: the batch size x the bytes of the static values forwarded per item
+        (values of varying shape are held per row, in the decode budget)."""
+        return self.batch_max_size * sum(_nbytes(s) for s in self.out_specs.values())
+
     def outputs(self) -> tuple[OutputMeta, ...]:
         return tuple(
             OutputMeta(k, s.dtype, tuple(s.shape) if s.static else None)  # type: ignore[arg-type]
@@ -41,14 +51,15 @@ class Built:
         )
 
 
-def pipeline_from_text(text: str) -> Pipeline:
-    """Build a Pipeline from YAML text; relative file parameters cannot resolve on the agent
-    (shipped names like `bert-base-uncased` do). Errors point into the text as LOADED_FILE."""
+def pipeline_from_text(text: str, tokenizer_dir: str = "") -> Pipeline:
+    """Build a Pipeline from YAML text; a file parameter (the tokenizer) is an id, a shipped
+    name (`bert-base-uncased`) or a file of the operator's `tokenizer_dir`, never a path the
+    client names. Errors point into the text as LOADED_FILE."""
     with tempfile.TemporaryDirectory(prefix="nicoffload-agent-") as tmp:
         path = Path(tmp) / "pipeline.yaml"
         path.write_text(text, encoding="utf-8")
         try:
-            return load_pipeline(path)
+            return load_pipeline(path, tokenizer_dir)
         except UserError as exc:
             if exc.mark is None or exc.mark.file != str(path):
                 raise
@@ -56,16 +67,58 @@ def pipeline_from_text(text: str) -> Pipeline:
             raise type(exc)(exc.message, mark) from None
 
 
+def _nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * spec.itemsize if spec.static else 0  # type: ignore[arg-type]
+
+
+def check_limits(
+    nodes: list, out_specs: dict[str, TensorSpec], batch_max_size: int, limits: AgentConfig
+) -> None:
+    """What the operator's config allows a LOAD to ask, checked before a byte is allocated:
+    the decoders' max_pixels, every node's per-item values, the batch and its slot."""
+    if batch_max_size > limits.max_batch:
+        raise AgentError(
+            f"batch_max_size {batch_max_size} is more than this agent allows "
+            f"(max_batch = {limits.max_batch})"
+        )
+    for node in nodes:
+        where = f"{LOADED_FILE}:{node.mark.line}:{node.mark.column}: node '{node.name}'"
+        asked = node.params.get("max_pixels") if node.op == "decode_image" else None
+        if asked is not None and asked > limits.max_pixels:
+            raise AgentError(
+                f"{where}: max_pixels {asked} is more than this agent allows "
+                f"(max_pixels = {limits.max_pixels}); set max_pixels: {limits.max_pixels} or less"
+            )
+        for port, spec in node.out_specs.items():
+            if _nbytes(spec) > limits.max_value_bytes:
+                raise AgentError(
+                    f"{where}: its {port} value ({spec}) is {_nbytes(spec)} bytes an item, more "
+                    f"than this agent allows (max_value_bytes = {limits.max_value_bytes})"
+                )
+    slot = batch_max_size * sum(_nbytes(s) for s in out_specs.values())
+    if slot > limits.max_slot_bytes:
+        raise AgentError(
+            f"a batch of {batch_max_size} of the stage's outputs is {slot} bytes, more than this "
+            f"agent allows (max_slot_bytes = {limits.max_slot_bytes}): lower the batch size"
+        )
+
+
 def build_stage(
-    yaml_text: str, plan_text: str, stage_name: str, batch_max_size: int, batch_max_wait_ms: float
+    yaml_text: str,
+    plan_text: str,
+    stage_name: str,
+    batch_max_size: int,
+    batch_max_wait_ms: float,
+    limits: AgentConfig | None = None,
 ) -> Built:
-    """Everything LOAD needs before it connects the sender; AgentError says what is wrong."""
+    """Everything LOAD needs before it connects the sender; AgentError says what is wrong.
+    `limits`: the operator's bounds (`check_limits`), checked before the kernels are built."""
     if not 1 <= batch_max_size <= MAX_BATCH:
         raise AgentError(f"batch_max_size must be in 1..{MAX_BATCH}, got {batch_max_size}")
     if not 0 <= batch_max_wait_ms <= MAX_WAIT_MS:
         raise AgentError(f"batch_max_wait_ms must be in 0..{MAX_WAIT_MS}, got {batch_max_wait_ms}")
     try:
-        pipeline = pipeline_from_text(yaml_text)
+        pipeline = pipeline_from_text(yaml_text, limits.tokenizer_dir if limits else "")
         plan = Plan.from_json(json.loads(plan_text), "<plan from the client>")
         plan.check_matches(pipeline)
     except json.JSONDecodeError as exc:
@@ -98,6 +151,8 @@ def build_stage(
         except ValueError as exc:
             raise AgentError(f"value '{key}': {exc}") from None
         out_specs[key] = spec
+    if limits is not None:
+        check_limits(nodes, out_specs, batch_max_size, limits)
     try:
         stage = Stage(pipeline, sp, set(out_specs))
     except NicoffloadError as exc:

@@ -24,6 +24,7 @@ from nicoffload.inputs import values_items
 from nicoffload.planner.plan import Plan, single_device_plan
 from nicoffload.runner import RunResult, RunStats
 from nicoffload.runtime.executor import ItemFailure
+from nicoffload.runtime.remote import failed_of
 from nicoffload.transport import Delivery, listen
 from nicoffload.transport.slots import ALIGN
 
@@ -154,7 +155,7 @@ class _Collector:
 
     def take(self, d: Delivery) -> None:
         now = time.perf_counter()
-        failed = d.meta.get("failed", {})
+        failed = failed_of(d.meta)
         for row, rid in enumerate(d.meta["request_ids"]):
             index = rid - 1
             if index in self.rows or index in self.failed:

@@ -204,8 +204,9 @@ def _find_cycle(pending: dict[str, set[str]]) -> list[str]:
         path.append(nxt)
 
 
-def build_pipeline(spec: PipelineSpec) -> Pipeline:
-    """Validate a PipelineSpec into a Pipeline; the first mistake raises SpecError at its mark."""
+def build_pipeline(spec: PipelineSpec, tokenizer_dir: str | None = None) -> Pipeline:
+    """Validate a PipelineSpec into a Pipeline; the first mistake raises SpecError at its mark.
+    `tokenizer_dir` (an agent's LOAD; "" for none): file parameters are ids (`_by_id`)."""
     known: dict[str, ops.OpDef | None] = {}
     params: dict[str, dict[str, Any]] = {}
     for n in spec.nodes:
@@ -224,7 +225,8 @@ def build_pipeline(spec: PipelineSpec) -> Pipeline:
             )
         known[n.name] = opdef
         try:
-            params[n.name] = opdef.bind(n.params, spec.directory)
+            raw = n.params if tokenizer_dir is None else _by_id(opdef, n.params, tokenizer_dir)
+            params[n.name] = opdef.bind(raw, spec.directory)
         except ops.ParamError as exc:
             # an unknown name is wrong at its key; any other mistake at the value (whose
             # message may say "unknown" too: a tokenizer file's parser does)
@@ -288,6 +290,15 @@ def build_pipeline(spec: PipelineSpec) -> Pipeline:
     )
 
 
+def _by_id(opdef: ops.OpDef, raw: dict[str, Any], directory: str) -> dict[str, Any]:
+    """The parameters with every file (the tokenizer is the only one) named by an id and
+    resolved to the agent's file of that id, before anything opens a path the client named."""
+    from nicoffload.ops.tokenize import tokenizer_by_id
+
+    files = {p.name for p in opdef.params if p.kind == "path"} & set(raw)
+    return {k: tokenizer_by_id(k, v, directory) if k in files else v for k, v in raw.items()}
+
+
 def _check_all_used(
     spec: PipelineSpec, refs: dict[str, tuple[Ref, ...]], outputs: dict[str, Ref]
 ) -> None:
@@ -307,6 +318,6 @@ def _check_all_used(
             raise SpecError(f"input '{name}' is unused: no node reads it", inp.mark)
 
 
-def load_pipeline(path: str | Path) -> Pipeline:
-    """Read, check and build a pipeline file."""
-    return build_pipeline(parse_spec(path))
+def load_pipeline(path: str | Path, tokenizer_dir: str | None = None) -> Pipeline:
+    """Read, check and build a pipeline file (`tokenizer_dir`: see build_pipeline)."""
+    return build_pipeline(parse_spec(path), tokenizer_dir)

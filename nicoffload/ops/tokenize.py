@@ -1,7 +1,9 @@
 """tokenize: text -> input_ids and attention_mask, padded and truncated to max_length.
 
 The vocabulary is a Hugging Face `tokenizers` file (`tokenizer.json`), named in the pipeline;
-`bert-base-uncased` is shipped. Outputs equal `tokenizers`' own encoding exactly.
+`bert-base-uncased` is shipped. Outputs equal `tokenizers`' own encoding exactly. On the host
+`tokenizer` may be a path; in a pipeline LOADed into an agent it is an id (`tokenizer_by_id`):
+a shipped name or `<id>.json` in the directory the agent's operator configured, never a path.
 """
 
 from __future__ import annotations
@@ -9,17 +11,53 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from nicoffload.errors import ItemError
 from nicoffload.graph import TensorSpec
-from nicoffload.ops import Param, ParamError, WiringError, kernel, op
+from nicoffload.ops import DATA_DIR, Param, ParamError, WiringError, kernel, op
 
 # Characters no vocabulary holds (Unicode private use): a tokenizer that cannot encode them has
 # no unknown token and would fail every item with a word outside its vocabulary.
 _PROBE = "nicoffload \U000f0000\U000f0001"
+
+
+TOKENIZER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")  # no '/': nothing but a name
+MAX_TOKENIZER_BYTES = 64 << 20  # an agent's tokenizer file (bert-base-uncased: 0.7 MB)
+
+
+def tokenizer_by_id(param: str, value: object, directory: str) -> str:
+    """The file of the tokenizer `value` names on an agent: a shipped one, else `<id>.json`
+    (or `<id>` if it ends so: a pipeline that names `my-tok.json`, next to it on the host,
+    names the same file of the agent) in `directory` (the operator's `tokenizer_dir`; "" for
+    none), a regular file of at most MAX_TOKENIZER_BYTES. A path, or an id not there, is a
+    ParamError that names only ids."""
+    if not isinstance(value, str) or not TOKENIZER_ID.fullmatch(value):
+        raise ParamError(
+            param,
+            f"parameter '{param}' must be a tokenizer id on an agent (a name of up to 64 of "
+            f"A-Z a-z 0-9 _ . @ -, not a path), got {str(value)[:80]!r}",
+        )
+    name = value if value.endswith(".json") else f"{value}.json"
+    for folder in (DATA_DIR, *((Path(directory),) if directory else ())):
+        path = folder / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_TOKENIZER_BYTES:
+            return str(path.resolve())
+    ids = sorted(p.stem for p in DATA_DIR.glob("*.json"))
+    if directory:
+        ids += sorted(p.stem for p in Path(directory).glob("*.json"))[:50]
+    raise ParamError(
+        param,
+        f"parameter '{param}': this agent has no tokenizer {value!r} (it has: {', '.join(ids)})",
+    )
 
 
 def _work(params, in_specs, out_specs) -> float:
@@ -53,7 +91,10 @@ def _check(params: dict) -> None:
     "tokenize",
     params=[
         Param(
-            "tokenizer", "path", "bert-base-uncased", doc="tokenizer.json path, or a shipped name"
+            "tokenizer",
+            "path",
+            "bert-base-uncased",
+            doc="a shipped name, or a tokenizer.json path (on an agent: an id of its tokenizer_dir)",
         ),
         Param(
             "max_length",

@@ -15,7 +15,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +163,7 @@ class RemoteFront:
         if "sent_ns" in d.meta:
             t.flight_ns += max(0, now - int(d.meta["sent_ns"]))
             t.timed += 1
-        failed = {int(k): v for k, v in d.meta.get("failed", {}).items()}
+        failed = failed_of(d.meta)
         ids = d.meta["request_ids"]
         claimed, skipped = [], []
         with self.lock:
@@ -287,7 +287,11 @@ def open_front(
             "shm": f"shm://nicoffload-{secrets.token_hex(6)}",
             "rdma": f"rdma://{client.local_host}:0?device={rdma_device}{on_gpu}",
         }.get(transport, f"tcp://{client.local_host}:0")
-        rx = stack.enter_context(listen(where, slots=slots, slot_bytes=slot_bytes))
+        # Only the agent's sender of this session holds the key: a stranger cannot attach first
+        # nor inject a batch (every frame is checked against its MAC; over tcp, payloads too).
+        rx = stack.enter_context(
+            listen(where, slots=slots, slot_bytes=slot_bytes, key=client.forward_key)
+        )
         landing = destination = None
         if gpu is not None:
             from nicoffload.transport import gpudirect
@@ -381,6 +385,17 @@ def cores_apart(taken: list[int]) -> Iterator[list[int]]:
         yield mine
     finally:
         os.sched_setaffinity(0, before)
+
+
+def failed_of(meta: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
+    """A delivery's failed rows, by request id: its meta's `failed` {id: [reason, detail]}
+    and `failed_rows` [[reason, detail, [row, ...]], ...], the rows (indexes into
+    `request_ids`) that did not fit with a detail each (`dpu_agents.session.failed_meta`)."""
+    ids = meta["request_ids"]
+    failed = {int(k): (v[0], v[1]) for k, v in meta.get("failed", {}).items()}
+    for reason, detail, rows in meta.get("failed_rows", ()):
+        failed.update((ids[r], (reason, detail)) for r in rows if 0 <= r < len(ids))
+    return failed
 
 
 def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:

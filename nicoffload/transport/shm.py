@@ -1,5 +1,8 @@
 """Shared-memory transport (`shm://name`): the ring is a POSIX shared-memory segment the sender
 maps and memcpys into; DATA and CREDIT frames go over a Unix socket in the abstract namespace.
+With a key, the sender proves it before it learns the segment's name, and the frames on the
+socket carry a MAC; the payload in the segment does not (it never crosses a wire: the segment's
+mode 600 and the sender's uid, checked on accept, are what keep others out of it).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import struct
 from multiprocessing import resource_tracker
 
@@ -47,10 +51,8 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise TransportError(
-                    f"shared memory {name!r}: {os.fstat(fd).st_size} bytes, not {size}"
-                )
+            else:
+                _check_private(name, os.fstat(fd), size)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
         except BaseException:
             self.unlink()
@@ -74,6 +76,18 @@ class Segment:
             with contextlib.suppress(BufferError):  # views alive: unmapped when they go
                 self._mmap.close()
             self._mmap = None
+
+
+def _check_private(name: str, st: os.stat_result, size: int) -> None:
+    """Map only a ring that a receiver of this user made for itself (owner ours, mode 600, the
+    size it announced): never another program's segment that merely has the announced name."""
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600:
+        raise TransportError(
+            f"shared memory {name!r}: owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):o}, not a private ring of uid {os.geteuid()} (mode 600)"
+        )
+    if st.st_size != size:
+        raise TransportError(f"shared memory {name!r}: {st.st_size} bytes, not {size}")
 
 
 def parse(address: str) -> str:
@@ -114,11 +128,17 @@ class ShmReceiver(StreamReceiver):
     transport = "shm"
 
     def __init__(
-        self, address: str, listener: socket.socket, slots: int, slot_bytes: int, segment: Segment
+        self,
+        address: str,
+        listener: socket.socket,
+        slots: int,
+        slot_bytes: int,
+        segment: Segment,
+        key: bytes | None = None,
     ) -> None:
         self._segment = segment
         assert segment.array is not None
-        super().__init__(address, listener, slots, slot_bytes, segment.array)
+        super().__init__(address, listener, slots, slot_bytes, segment.array, key)
 
     def _welcome(self) -> Welcome:
         return Welcome(self.slots, self.slot_bytes, self._segment.name)
@@ -144,7 +164,12 @@ class ShmReceiver(StreamReceiver):
 
 
 def connect(
-    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+    address: str,
+    *,
+    timeout: float = 10.0,
+    pipeline_id: int = 0,
+    stage_id: int = 0,
+    key: bytes | None = None,
 ) -> ShmSender:
     name = parse(address)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -156,13 +181,15 @@ def connect(
         sock.close()
         raise TransportError(f"cannot connect to {address}: {exc}") from exc
     try:
-        return ShmSender(address, sock, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id)
+        return ShmSender(
+            address, sock, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id, key=key
+        )
     except BaseException:
         sock.close()
         raise
 
 
-def listen(address: str, *, slots: int, slot_bytes: int) -> ShmReceiver:
+def listen(address: str, *, slots: int, slot_bytes: int, key: bytes | None = None) -> ShmReceiver:
     name = parse(address)
     segment = Segment(
         f"nico.{name}.{secrets.token_hex(4)}", slots * stride(slot_bytes), create=True
@@ -171,7 +198,7 @@ def listen(address: str, *, slots: int, slot_bytes: int) -> ShmReceiver:
     try:
         listener.bind(_socket_path(name))
         listener.listen(1)
-        return ShmReceiver(address, listener, slots, slot_bytes, segment)
+        return ShmReceiver(address, listener, slots, slot_bytes, segment, key)
     except BaseException as exc:
         listener.close()
         segment.close()

@@ -105,7 +105,7 @@ def test_token_file_must_be_private_and_long(tmp_path) -> None:
     weak = tmp_path / "weak"
     weak.write_text("short")
     weak.chmod(0o600)
-    with pytest.raises(UserError, match="at least 16 bytes"):
+    with pytest.raises(UserError, match="at least 32 bytes"):
         auth.read_token(weak)
     shared = tmp_path / "shared"
     auth.write_token(shared)
