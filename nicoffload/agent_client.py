@@ -2,7 +2,9 @@
 requests, stats, drain, liveness). `nicoffload.client.Client` runs a whole pipeline on one.
 
 The protocol is described in `dpu_agents.protocol`. An agent that closes, errs, or stays silent
-past `timeout` is dead: every later call raises AgentError, and so does a blocked `submit`.
+past `timeout` is dead: every later call raises AgentError, and so does a blocked `submit`. After
+the handshake every frame carries a MAC: one that fails (altered, injected, replayed) is the
+agent dead too, never an answer. `forward_key` is the key to listen for the stage's outputs with.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class AgentClient:
         self._beater.start()
 
     def _handshake(self, token: bytes, client_name: str, timeout: float) -> WelcomeMeta:
+        self._ch.record()  # the session's keys are bound to the four frames of the handshake
         self._ch.send(frame(Kind.HELLO, HelloMeta(client_name)))
         challenge = decode_meta(self._expect(Kind.CHALLENGE, timeout), ChallengeMeta)
         mine = auth.nonce()
@@ -107,6 +110,9 @@ class AgentClient:
         self._ch.send(frame(Kind.AUTH, AuthMeta(mine, proof)))
         welcome = decode_meta(self._expect(Kind.WELCOME, timeout), WelcomeMeta)
         auth.check(auth.server_proof(token, challenge.nonce, mine), welcome.proof, "agent")
+        keys = auth.session_keys(token, challenge.nonce, mine, self._ch.transcript())
+        self._ch.secure(send_key=keys.client, recv_key=keys.agent)  # every later frame: a MAC
+        self.forward_key = keys.forward
         return welcome
 
     def _expect(self, kind: Kind, timeout: float) -> bytes:

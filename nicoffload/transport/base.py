@@ -119,19 +119,31 @@ def _module(address: str) -> Any:
 
 
 def connect(
-    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+    address: str,
+    *,
+    timeout: float = 10.0,
+    pipeline_id: int = 0,
+    stage_id: int = 0,
+    key: bytes | None = None,
 ) -> Sender:
-    """A Sender connected to the receiver listening at `address` (`tcp://h:p`, `shm://name`...)."""
+    """A Sender connected to the receiver listening at `address` (`tcp://h:p`, `shm://name`...).
+
+    `key` (32 bytes or more, shared with the receiver): prove it to a receiver that has one;
+    the connection's frames then carry a MAC (`transport.integrity`)."""
+    extra = {} if key is None else {"key": key}
     return _module(address).connect(
-        address, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id
+        address, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id, **extra
     )
 
 
-def listen(address: str, *, slots: int, slot_bytes: int) -> Receiver:
-    """A Receiver with a ring of `slots` x `slot_bytes` bytes, waiting for one sender."""
+def listen(address: str, *, slots: int, slot_bytes: int, key: bytes | None = None) -> Receiver:
+    """A Receiver with a ring of `slots` x `slot_bytes` bytes, waiting for one sender; with a
+    `key`, only for a sender that proves it holds the key (others are refused, and it goes on
+    waiting), and every frame from it is checked against its MAC."""
     if not (1 <= slots <= MAX_SLOTS and 1 <= slot_bytes <= MAX_PAYLOAD):
         raise ValueError(
             f"need 1 <= slots <= {MAX_SLOTS} and 1 <= slot_bytes <= {MAX_PAYLOAD}, "
             f"got {slots}, {slot_bytes}"
         )
-    return _module(address).listen(address, slots=slots, slot_bytes=slot_bytes)
+    extra = {} if key is None else {"key": key}
+    return _module(address).listen(address, slots=slots, slot_bytes=slot_bytes, **extra)

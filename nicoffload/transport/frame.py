@@ -341,17 +341,20 @@ class ErrorMeta(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, frozen=True):
-    """The metadata of a sender's HELLO: which transport it speaks."""
+    """The metadata of a sender's HELLO: which transport it speaks; a sender with a key adds
+    its nonce (a receiver with a key then challenges it: `transport.handshake`)."""
 
     transport: str
+    nonce: bytes = b""
 
 
 class Welcome(msgspec.Struct, frozen=True):
-    """The metadata of a receiver's WELCOME: its ring, and where the ring lives (shm)."""
+    """The metadata of a receiver's WELCOME: its ring, where the ring lives (shm), its proof."""
 
     slots: int
     slot_bytes: int
     segment: str = ""
+    proof: bytes = b""  # a receiver with a key: it holds the key, over the nonces and the rest
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -4,6 +4,7 @@ frames and errors as the real transports; the ring is a numpy array and nothing 
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from nicoffload.errors import TransportError
 from nicoffload.transport.base import Receiver, Sender
 from nicoffload.transport.frame import HEADER_SIZE, OUT_OF_BAND, Header
+from nicoffload.transport.handshake import check_key
 from nicoffload.transport.slots import Delivery, Inbox, Packer, Tensors, Unpacker, slot_view, stride
 
 # The in-process namespace of listening receivers, as the kernel has one for sockets.
@@ -29,6 +31,7 @@ class InprocReceiver(Receiver):
         self.cond = threading.Condition()
         self.free = list(range(slots))[::-1]  # the sender's credits, as a stack
         self.closed = False
+        self.key: bytes | None = None  # a sender must present it (`connect`)
 
     def recv(self, timeout: float | None = None) -> Delivery | None:
         if self.closed:
@@ -113,18 +116,32 @@ class InprocSender(Sender):
 
 
 def connect(
-    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+    address: str,
+    *,
+    timeout: float = 10.0,
+    pipeline_id: int = 0,
+    stage_id: int = 0,
+    key: bytes | None = None,
 ) -> InprocSender:
     with _NAMESPACE:
+        receiver = _LISTENING.get(address)
+        # Nothing crosses a wire: a receiver's key is only checked, and a sender without it
+        # leaves the receiver for the one that has it.
+        wanted = None if receiver is None else receiver.key
+        if wanted is not None and (key is None or not hmac.compare_digest(wanted, key)):
+            raise TransportError(f"cannot connect to {address}: refused (not its key)")
         receiver = _LISTENING.pop(address, None)  # one sender per receiver, as with sockets
     if receiver is None:
         raise TransportError(f"cannot connect to {address}: nothing listens there")
     return InprocSender(receiver, pipeline_id, stage_id)
 
 
-def listen(address: str, *, slots: int, slot_bytes: int) -> InprocReceiver:
+def listen(
+    address: str, *, slots: int, slot_bytes: int, key: bytes | None = None
+) -> InprocReceiver:
     with _NAMESPACE:
         if address in _LISTENING:
             raise TransportError(f"cannot listen on {address}: address in use")
         receiver = _LISTENING[address] = InprocReceiver(address, slots, slot_bytes)
+        receiver.key = check_key(key)
     return receiver

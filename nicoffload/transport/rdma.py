@@ -2,7 +2,9 @@
 pairs: the receiver's ring is one memory region; the sender RDMA WRITEs a batch into a slot, then
 WRITE_WITH_IMM puts the DATA frame head in the slot's head area, the slot as the immediate;
 credits come back as SEND_WITH_IMM. HELLO/WELCOME/ACK (QPN, PSN, GID, ring address, rkey) and
-ERROR go over a TCP control connection.
+ERROR go over a TCP control connection. With a key, the sender proves it on that connection
+before it learns the ring's address and rkey, and the frames on it carry a MAC; the verbs WRITEs
+(payloads and DATA heads) bypass both CPUs and carry none (SECURITY.md says what that leaves).
 """
 
 from __future__ import annotations
@@ -95,11 +97,11 @@ class RdmaSender(SlotSender):
 
     def __init__(
         self, address: str, sock: socket.socket, device: str, *, timeout: float, pipeline_id: int,
-        stage_id: int,
+        stage_id: int, key: bytes | None = None,
     ) -> None:  # fmt: skip
         self._ep: verbs.Endpoint | None = None
         try:
-            welcome = self._open(address, sock, timeout)
+            welcome = self._open(address, sock, timeout, key)
             peer, (remote, rkey), (heads, heads_rkey) = _remote(welcome.segment)
             self._ep = verbs.Endpoint(
                 device, send_depth=2 * self.slots + 4, recv_depth=self.slots + 4
@@ -207,6 +209,7 @@ class RdmaReceiver(OneSenderReceiver):
         slots: int,
         slot_bytes: int,
         gpu: int | None = None,
+        key: bytes | None = None,
     ) -> None:
         self._ep = verbs.Endpoint(device, send_depth=slots + 4, recv_depth=slots + 4)
         self.destination: gpudirect.Destination | None = None
@@ -220,7 +223,7 @@ class RdmaReceiver(OneSenderReceiver):
             self._unpack = Unpacker(ring, slot_bytes)
             self._ledger = Ledger(f"receiver at {address}")
             self._queue: collections.deque[Delivery] = collections.deque()
-            super().__init__(address, listener, slots, slot_bytes)
+            super().__init__(address, listener, slots, slot_bytes, key)
         except BaseException:
             self._ep.close()
             if self._gpu_ring is not None:
@@ -245,7 +248,7 @@ class RdmaReceiver(OneSenderReceiver):
         return ring, ring_mr, heads, self._ep.register(heads, remote=True)
 
     def _shake(self, ch: Channel) -> None:
-        ch.send(encode(Header(Kind.WELCOME), Welcome(self.slots, self.slot_bytes, self._segment)))
+        self._welcome_sender(ch, Welcome(self.slots, self.slot_bytes, self._segment))
         peer = verbs.Peer.decode(decode_meta(_expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT), str))
         self._ep.connect(peer)
         ch.send(encode(Header(Kind.ACK)))
@@ -329,7 +332,12 @@ class RdmaReceiver(OneSenderReceiver):
 
 
 def connect(
-    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+    address: str,
+    *,
+    timeout: float = 10.0,
+    pipeline_id: int = 0,
+    stage_id: int = 0,
+    key: bytes | None = None,
 ) -> RdmaSender:
     host, port, _, _ = parse(address)  # ?device=, ?gpu= are the receiver's, not this side's
     device = verbs.pick_device(os.environ.get(DEVICE_ENV))
@@ -341,14 +349,15 @@ def connect(
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return RdmaSender(
-            address, sock, device, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id
-        )
+            address, sock, device, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id,
+            key=key,
+        )  # fmt: skip
     except BaseException:
         sock.close()
         raise
 
 
-def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
+def listen(address: str, *, slots: int, slot_bytes: int, key: bytes | None = None) -> RdmaReceiver:
     host, port, wanted, gpu = parse(address)
     device = verbs.pick_device(wanted or os.environ.get(DEVICE_ENV))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -360,7 +369,7 @@ def listen(address: str, *, slots: int, slot_bytes: int) -> RdmaReceiver:
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         query = "&".join(f"{k}={v}" for k, v in (("device", wanted), ("gpu", gpu)) if v is not None)
         real = f"rdma://{shown}:{listener.getsockname()[1]}{'?' + query if query else ''}"
-        return RdmaReceiver(real, listener, device, slots, slot_bytes, gpu)
+        return RdmaReceiver(real, listener, device, slots, slot_bytes, gpu, key)
     except BaseException:
         listener.close()
         raise

@@ -22,14 +22,14 @@ from nicoffload.transport.frame import (
     MAX_PAYLOAD,
     OUT_OF_BAND,
     Header,
-    Hello,
     Kind,
     Welcome,
-    decode_meta,
     encode,
     error_frame,
     error_from_frame,
 )
+from nicoffload.transport.handshake import check_key, greet_sender, open_sender, welcome
+from nicoffload.transport.handshake import expect as _expect
 from nicoffload.transport.slots import (
     Delivery,
     Inbox,
@@ -48,22 +48,6 @@ _EOF = object()  # the sender said SHUTDOWN: recv returns None from then on
 _DONTWAIT = int(socket.MSG_DONTWAIT)  # goodbyes are best effort: never block on them
 
 
-def _expect(ch: Channel, kind: Kind, timeout: float) -> bytes:
-    """Read one frame of `kind` (its metadata) within `timeout` s; TransportError otherwise."""
-    if not ch.readable(timeout):
-        raise TransportError(f"{ch.peer}: no {kind.name} within {timeout} s")
-    got = ch.read_head(0)
-    if got is None:
-        raise TransportError(f"{ch.peer} closed the connection")
-    if got[0].kind is Kind.ERROR:
-        raise error_from_frame(got[1], ch.peer)
-    if got[0].kind is Kind.SHUTDOWN:
-        raise TransportError(f"{ch.peer} closed")
-    if got[0].kind is not kind:
-        raise FrameError(f"malformed frame: kind: {got[0].kind.name}, expected {kind.name}")
-    return got[1]
-
-
 class SlotSender(Sender):
     """What a sender over a control Channel shares, whatever carries the payload (stream, rdma):
     HELLO and WELCOME (`_open`), the free and outstanding slots under one lock, waiting for
@@ -72,14 +56,15 @@ class SlotSender(Sender):
 
     transport = "stream"
 
-    def _open(self, address: str, sock: socket.socket, timeout: float) -> Welcome:
+    def _open(
+        self, address: str, sock: socket.socket, timeout: float, key: bytes | None
+    ) -> Welcome:
         self.address = address
         self._ch = Channel(sock, f"receiver at {address}")
         self._lock = threading.Lock()
         self._broken: TransportError | None = None
         self._closed = False
-        self._ch.send(encode(Header(Kind.HELLO), Hello(self.transport)))
-        welcome = decode_meta(_expect(self._ch, Kind.WELCOME, timeout), Welcome)
+        welcome = open_sender(self._ch, self.transport, check_key(key), timeout)
         if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
             raise FrameError(
                 f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
@@ -166,10 +151,17 @@ class StreamSender(SlotSender):
     out_of_band = False  # the payload goes into the slot by another path than the socket
 
     def __init__(
-        self, address: str, sock: socket.socket, *, timeout: float, pipeline_id: int, stage_id: int
+        self,
+        address: str,
+        sock: socket.socket,
+        *,
+        timeout: float,
+        pipeline_id: int,
+        stage_id: int,
+        key: bytes | None = None,
     ) -> None:
         try:
-            self._attach(self._open(address, sock, timeout))
+            self._attach(self._open(address, sock, timeout, key))
             self._ch.send(encode(Header(Kind.ACK)))
         except BaseException:
             if hasattr(self, "_ch"):
@@ -222,8 +214,17 @@ class OneSenderReceiver(Receiver):
 
     transport = "stream"
 
-    def __init__(self, address: str, listener: socket.socket, slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        listener: socket.socket,
+        slots: int,
+        slot_bytes: int,
+        key: bytes | None = None,
+    ) -> None:
         self.address, self.slots, self.slot_bytes = address, slots, slot_bytes
+        self._key = check_key(key)  # only a sender that proves it may attach
+        self._nonces: tuple[bytes, bytes] | None = None  # of the handshake in progress
         self._listener = listener
         self._wake_r, self._wake_w = socket.socketpair()
         self._ch: Channel | None = None
@@ -240,8 +241,13 @@ class OneSenderReceiver(Receiver):
         """A sender connected: tune its socket, or refuse it (TransportError)."""
 
     def _shake(self, ch: Channel) -> None:
-        """The handshake after HELLO (checked already); TransportError refuses the sender."""
+        """The handshake after HELLO (checked already) and, with a key, the sender's proof: it
+        sends the WELCOME (`_welcome_sender`); TransportError refuses the sender."""
         raise NotImplementedError
+
+    def _welcome_sender(self, ch: Channel, meta: Welcome) -> None:
+        """Send WELCOME: with the proof and the channel secured from then on, with a key."""
+        welcome(ch, meta, self._key, self._nonces)
 
     def _serve_on(self, ch: Channel) -> None:
         """The helper thread's work once a sender is connected (tcp: read ahead); none here."""
@@ -276,9 +282,9 @@ class OneSenderReceiver(Receiver):
             self._ch = ch  # so that close() can wake the handshake below
         try:
             self._accepted(sock)
-            hello = decode_meta(_expect(ch, Kind.HELLO, HANDSHAKE_TIMEOUT), Hello)
-            if hello.transport != self.transport:
-                raise FrameError(f"a {hello.transport} sender, this is a {self.transport} ring")
+            self._nonces = greet_sender(
+                ch, self.transport, self._key, HANDSHAKE_TIMEOUT, self._listener
+            )
             self._shake(ch)
             return True
         except TransportError as exc:
@@ -345,7 +351,13 @@ class StreamReceiver(OneSenderReceiver):
     read_ahead = False
 
     def __init__(
-        self, address: str, listener: socket.socket, slots: int, slot_bytes: int, ring: np.ndarray
+        self,
+        address: str,
+        listener: socket.socket,
+        slots: int,
+        slot_bytes: int,
+        ring: np.ndarray,
+        key: bytes | None = None,
     ) -> None:
         self._unpack = Unpacker(ring, slot_bytes)
         self._inbox = Inbox(f"receiver at {address}")  # the queue is used with read_ahead only
@@ -354,7 +366,7 @@ class StreamReceiver(OneSenderReceiver):
         self._credit_batch = max(1, slots // CREDIT_BATCH)
         self._credit_lock = threading.Lock()
         self._recv_waits = False
-        super().__init__(address, listener, slots, slot_bytes)
+        super().__init__(address, listener, slots, slot_bytes, key)
 
     # hooks for the data path
     def _welcome(self) -> Welcome:
@@ -371,7 +383,7 @@ class StreamReceiver(OneSenderReceiver):
         """Give the ring back (shm: unlink and unmap); idempotent."""
 
     def _shake(self, ch: Channel) -> None:
-        ch.send(encode(Header(Kind.WELCOME), self._welcome()))
+        self._welcome_sender(ch, self._welcome())
         _expect(ch, Kind.ACK, HANDSHAKE_TIMEOUT)
         self._on_ack()
 
@@ -460,9 +472,9 @@ class StreamReceiver(OneSenderReceiver):
 
     def _flush_credits(self) -> None:
         with self._credit_lock:
-            frames, self._pending = b"".join(self._pending), []
+            frames, self._pending = self._pending, []
         if frames and self._ch is not None:
-            self._ch.post(frames)  # if the sender is gone, recv reports how
+            self._ch.post(frames)  # one write; if the sender is gone, recv reports how
 
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:

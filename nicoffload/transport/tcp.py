@@ -1,5 +1,6 @@
 """TCP transport (`tcp://host:port`): one connection per edge; the sender gathers the DATA head
-and the tensors into sendmsg, the receiver's pump reads the payload straight into its slot.
+and the tensors into sendmsg, the receiver's pump reads the payload straight into its slot. With
+a key, every frame's MAC covers its payload too: a batch is handed out once its tag checks.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ class TcpReceiver(StreamReceiver):
 
 
 def connect(
-    address: str, *, timeout: float = 10.0, pipeline_id: int = 0, stage_id: int = 0
+    address: str,
+    *,
+    timeout: float = 10.0,
+    pipeline_id: int = 0,
+    stage_id: int = 0,
+    key: bytes | None = None,
 ) -> TcpSender:
     host, port = parse(address)
     try:
@@ -68,13 +74,15 @@ def connect(
         sock.settimeout(None)
         _tune(sock)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        return TcpSender(address, sock, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id)
+        return TcpSender(
+            address, sock, timeout=timeout, pipeline_id=pipeline_id, stage_id=stage_id, key=key
+        )
     except BaseException:
         sock.close()
         raise
 
 
-def listen(address: str, *, slots: int, slot_bytes: int) -> TcpReceiver:
+def listen(address: str, *, slots: int, slot_bytes: int, key: bytes | None = None) -> TcpReceiver:
     host, port = parse(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -85,7 +93,7 @@ def listen(address: str, *, slots: int, slot_bytes: int) -> TcpReceiver:
         real = listener.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         ring = np.empty(slots * stride(slot_bytes), np.uint8)
-        return TcpReceiver(f"tcp://{shown}:{real}", listener, slots, slot_bytes, ring)
+        return TcpReceiver(f"tcp://{shown}:{real}", listener, slots, slot_bytes, ring, key)
     except BaseException:
         listener.close()
         raise

@@ -1,7 +1,10 @@
 """Fuzzing a real agent process with generated frames and byte streams (random bytes, headers
 with wrong magic / version / kind / lengths / dtypes / shapes / checksums, garbage metadata,
 oversize and truncated frames, before and after authentication and with a stage loaded), and
-with slow senders, while a well-behaved client keeps being served correctly.
+with slow senders, while a well-behaved client keeps being served correctly. After login the
+generated frames carry a valid MAC (so they reach the parser); tampered ones (a bit flipped
+anywhere with the CRC made right, the tag dropped, forged, replayed, reflected or out of
+sequence; SHUTDOWN included) must get no answer and end the connection.
 
 The agent must answer each stream with well-formed frames (an ERROR for what it refuses) or
 close the connection; it must never crash, hang, or leak threads or descriptors.
@@ -46,12 +49,15 @@ from nicoffload.transport import listen
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import (
     CHECKED_SIZE,
+    FIELD_OFFSETS,
     HEADER_FIELDS,
+    HEADER_SIZE,
     MAGIC_U32,
     VERSION,
     Kind,
     decode_meta,
 )
+from nicoffload.transport.integrity import TAG_BYTES, FrameMac
 
 ROOT = Path(__file__).resolve().parents[2]
 BERT = ROOT / "pipelines" / "bert.yaml"
@@ -243,16 +249,21 @@ def streams(kinds: st.SearchStrategy[Kind]) -> st.SearchStrategy[list[bytes]]:
     return st.lists(one, min_size=1, max_size=10)
 
 
-def exchange(address: str, data: list[bytes], *, prelude=None, deadline: float = 5.0) -> list[Kind]:
+def exchange(
+    address: str, data: list[bytes], *, prelude=None, deadline: float = 5.0, seal: bool = True
+) -> list[Kind]:
     """Connect, run `prelude(channel)`, send the frames, half-close; the kinds of every frame
-    the agent sent back before it closed. Fails if the agent neither answers nor closes."""
+    the agent sent back before it closed. Fails if the agent neither answers nor closes. A
+    prelude that logs in returns the MAC of the client's frames: each item of `data` then
+    gets its tag (unless `seal` is False: the items are sent as they are)."""
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
     ch = Channel(sock, "agent", io_timeout=5)
     kinds: list[Kind] = []
     try:
-        if prelude is not None:
-            prelude(ch)
+        tx = prelude(ch) if prelude is not None else None
+        if tx is not None and seal:
+            data = [item + tx.tag([item]) for item in data]
         FRAMES_SENT[0] += len(data)
         try:
             sock.sendall(b"".join(data))  # one write: no Nagle / delayed-ACK stalls between frames
@@ -277,8 +288,12 @@ def exchange(address: str, data: list[bytes], *, prelude=None, deadline: float =
     return kinds
 
 
-def authenticate(token: bytes):
-    def prelude(ch: Channel) -> None:
+def authenticate(token: bytes, keys: list | None = None):
+    """A prelude that logs in; the channel then checks the agent's frames, and the prelude
+    returns the MAC of the client's frames (the session's keys go into `keys`)."""
+
+    def prelude(ch: Channel) -> FrameMac:
+        ch.record()
         ch.send(frame(Kind.HELLO, HelloMeta("fuzz")))
         assert ch.readable(30), "no CHALLENGE"
         challenge = ch.read_head(0)
@@ -287,6 +302,11 @@ def authenticate(token: bytes):
         ch.send(frame(Kind.AUTH, AuthMeta(mine, auth.client_proof(token, nonce, mine))))
         assert ch.readable(30), "no WELCOME"
         assert ch.read_head(0)[0].kind is Kind.WELCOME
+        session = auth.session_keys(token, nonce, mine, ch.transcript())
+        ch.secure(session.client, session.agent)
+        if keys is not None:
+            keys.append(session)
+        return FrameMac(session.client)
 
     return prelude
 
@@ -328,13 +348,15 @@ def test_streams_into_a_loaded_stage_fail_items_or_the_connection(
     pipeline_plan = single_device_plan(pipeline_from_text(DECODE_YAML), "dpu0")
     with listen("tcp://127.0.0.1:0", slots=2, slot_bytes=1 << 16) as rx:
 
-        def prelude(ch: Channel) -> None:
-            authenticate(token)(ch)
+        def prelude(ch: Channel) -> FrameMac:
+            tx = authenticate(token)(ch)
             payload = DECODE_YAML.encode() + json.dumps(pipeline_plan.to_json()).encode()
             meta = LoadMeta(pipeline_plan.stages[0].name, rx.address, 4, 1.0, len(DECODE_YAML))
-            ch.send(frame(Kind.LOAD, meta, request_id=1, payload=len(payload)) + payload)
+            load = frame(Kind.LOAD, meta, request_id=1, payload=len(payload)) + payload
+            ch.sock.sendall(load + tx.tag([load]))
             assert ch.readable(30), "no answer to LOAD"
             assert ch.read_head(0)[0].kind is Kind.ACK
+            return tx
 
         stop = threading.Event()
 
@@ -356,6 +378,71 @@ def test_streams_into_a_loaded_stage_fail_items_or_the_connection(
         finally:
             stop.set()
             releaser.join(10)
+
+
+# --- tampered authenticated frames ----------------------------------------------------------
+
+BENIGN = st.lists(st.sampled_from([Kind.HEARTBEAT, Kind.STATS]), max_size=3)
+TAMPERINGS = ("flip", "untagged", "forged", "replayed", "reflected", "skipped")
+_ANSWER = {Kind.HEARTBEAT: Kind.HEARTBEAT, Kind.STATS: Kind.STATS}
+
+
+def tampered(data: st.DataObject, item: bytes, before: list[bytes], tx: FrameMac, keys) -> bytes:
+    """`item` as a relay might alter it: its bytes (with the CRC made right), its tag, or its
+    place in the stream; what arrives is never the frame the client sent."""
+    how = data.draw(st.sampled_from(TAMPERINGS if before else TAMPERINGS[:3] + TAMPERINGS[4:]))
+    sealed = item + tx.tag([item])
+    if how == "flip":
+        out = bytearray(sealed)
+        at = data.draw(st.integers(0, len(out) - 1))
+        out[at] ^= 1 << data.draw(st.integers(0, 7))
+        meta_len = int.from_bytes(out[FIELD_OFFSETS["meta_len"] : FIELD_OFFSETS["meta_len"] + 4])
+        if not CHECKED_SIZE <= at < HEADER_SIZE and meta_len <= len(out) - HEADER_SIZE:
+            crc = zlib.crc32(
+                out[HEADER_SIZE : HEADER_SIZE + meta_len], zlib.crc32(out[:CHECKED_SIZE])
+            )
+            out[CHECKED_SIZE:HEADER_SIZE] = crc.to_bytes(4, "big")
+        return bytes(out)
+    if how == "untagged":
+        return item
+    if how == "forged":
+        return item + data.draw(st.binary(min_size=TAG_BYTES, max_size=TAG_BYTES))
+    if how == "replayed":  # an earlier frame again, in place of this one
+        return data.draw(st.sampled_from(before))
+    if how == "reflected":  # tagged as the agent's own frames are
+        return item + FrameMac(keys[0].agent).tag([item])
+    tx.seq += 1  # "skipped": a frame dropped on the way, so this one is out of sequence
+    return item + tx.tag([item])
+
+
+@settings(FUZZ, max_examples=300)
+@given(
+    prefix=BENIGN,
+    target=st.one_of(control_frame(ANY_KIND), request_frames()),
+    data=st.data(),
+)
+def test_tampered_authenticated_frames_get_no_answer_and_end_the_connection(
+    agent, good_client, token_file, prefix, target, data
+) -> None:
+    """After login, frames that answer (HEARTBEAT, STATS) then one tampered frame of any kind,
+    SHUTDOWN included: the agent answers the first ones, never the tampered one nor anything
+    after it (an ERROR at most), and closes. The module's fixture checks it is still up."""
+    keys: list = []
+    login = authenticate(auth.read_token(token_file), keys)
+    sent: list[bytes] = []
+
+    def prelude(ch: Channel) -> None:
+        tx = login(ch)
+        for i, kind in enumerate(prefix):
+            item = frame(kind, request_id=i + 1)
+            sent.append(item + tx.tag([item]))
+        sent.append(tampered(data, target, sent, tx, keys))
+
+    kinds = exchange(agent.address, sent, prelude=prelude, seal=False)
+    answers = [_ANSWER[k] for k in prefix]
+    assert kinds[: len(answers)] == answers[: len(kinds)], kinds
+    assert set(kinds[len(answers) :]) <= {Kind.ERROR}, kinds
+    assert len(kinds) <= len(answers) + 1, kinds
 
 
 def test_slow_and_stalled_senders_are_dropped(agent, good_client, token_file) -> None:
