@@ -1,5 +1,6 @@
 """Transport bandwidth and per-batch control overhead, next to the limits measured in the same run
 (numpy memcpy for shm, a raw loopback TCP stream for tcp); sender and receiver in two processes.
+tcp+mac is tcp with a key (every frame's MAC covers its payload), next to tcp without one.
 
     python bench/bench_transport.py [--quick] [--json] [--output bench/RESULTS_transport.md]
 """
@@ -27,10 +28,12 @@ from nicoffload.transport.shm import Segment
 from nicoffload.transport.tcp import SEND_BUFFER
 
 KiB, MiB = 1 << 10, 1 << 20
-SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB]
+BATCH = 64 * 224 * 224 * 3  # 64 images of 224x224x3 uint8: a typical preprocessed batch
+SIZES = [4 * KiB, 64 * KiB, MiB, BATCH, 16 * MiB, 64 * MiB]
 RING = 256 * MiB  # the bandwidth runs' ring: up to 16 slots of the tensor's size, at least 4
 TARGETS = {"shm": 0.70, "tcp": 0.80}  # of the limit, at >= 1 MiB
 OVERHEAD_TARGET_US = 100.0
+KEY = bytes(range(32))  # tcp+mac: the sender and the receiver share it (a benchmark's key)
 
 
 def slots_for(size: int) -> int:
@@ -41,8 +44,8 @@ def worker(conn: mp.connection.Connection) -> None:
     """The receiving process: serves one command at a time from the parent."""
     while (cmd := conn.recv()) is not None:
         if cmd[0] == "transport":
-            _, address, slots, slot_bytes = cmd
-            with listen(address, slots=slots, slot_bytes=slot_bytes) as rx:
+            _, address, slots, slot_bytes, key = cmd
+            with listen(address, slots=slots, slot_bytes=slot_bytes, key=key) as rx:
                 conn.send(rx.address)
                 count, cpu = 0, time.process_time()
                 for delivery in rx:
@@ -68,19 +71,30 @@ def worker(conn: mp.connection.Connection) -> None:
 
 
 def timed_batches(
-    conn: mp.connection.Connection, address: str, slots: int, array: np.ndarray, n: int
+    conn: mp.connection.Connection,
+    address: str,
+    slots: int,
+    array: np.ndarray,
+    n: int,
+    key: bytes | None = None,
 ) -> float:
     """Seconds for n batches of `array`, from the first send to the last release."""
-    return timed_batches_cpu(conn, address, slots, array, n)[0]
+    return timed_batches_cpu(conn, address, slots, array, n, key)[0]
 
 
 def timed_batches_cpu(
-    conn: mp.connection.Connection, address: str, slots: int, array: np.ndarray, n: int
+    conn: mp.connection.Connection,
+    address: str,
+    slots: int,
+    array: np.ndarray,
+    n: int,
+    key: bytes | None = None,
 ) -> tuple[float, float, float]:
     """timed_batches, and the CPU seconds per batch of the sender and of the receiver (which,
-    unlike wall time, other work on the machine hardly changes)."""
-    conn.send(("transport", address, slots, max(array.nbytes, 64)))
-    with connect(conn.recv(), timeout=10) as tx:
+    unlike wall time, other work on the machine hardly changes). With a `key`, the frames
+    carry a MAC."""
+    conn.send(("transport", address, slots, max(array.nbytes, 64), key))
+    with connect(conn.recv(), timeout=10, key=key) as tx:
         for _ in range(2 * slots):  # warm: every slot touched, connection up to speed
             tx.send([array])
         tx.flush()
@@ -142,15 +156,28 @@ def bandwidth(conn: mp.connection.Connection, quick: bool, repeats: int) -> list
     for size in SIZES:
         array = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
         n = max(8, min(20000, budget // size))
-        runs: dict[str, list[float]] = {"memcpy": [], "shared": [], "raw": [], "shm": [], "tcp": []}
+        runs: dict[str, list[float]] = {k: [] for k in ("memcpy", "shared", "raw", "shm", "tcp")}
+        cpu: list[tuple[float, float, float]] = []
         for _ in range(repeats):
             runs["memcpy"].append(timed_memcpy(array, n))
             runs["shared"].append(timed_memcpy(array, n, shared=True))
             runs["shm"].append(timed_batches(conn, "shm://bench", slots_for(size), array, n))
             runs["raw"].append(timed_raw_tcp(conn, array, n))
             runs["tcp"].append(timed_batches(conn, "tcp://127.0.0.1:0", slots_for(size), array, n))
+            if size >= MiB:  # what the MAC costs, where it costs
+                args = (conn, "tcp://127.0.0.1:0", slots_for(size), array, max(4, n // 4))
+                cpu.append(timed_batches_cpu(*args))
+                cpu.append(timed_batches_cpu(*args, key=KEY))
         gbs = {name: size * n / min(times) / 1e9 for name, times in runs.items()}
-        for kind, limit, name in (("shm", "memcpy", "numpy memcpy"), ("tcp", "raw", "raw TCP")):
+        if cpu:
+            macs = cpu[1::2]
+            runs["tcp+mac"] = [t for t, _, _ in macs]
+            gbs["tcp+mac"] = size * max(4, n // 4) / min(runs["tcp+mac"]) / 1e9
+            gbs["tcp-short"] = size * max(4, n // 4) / min(t for t, _, _ in cpu[::2]) / 1e9
+        pairs = [("shm", "memcpy", "numpy memcpy"), ("tcp", "raw", "raw TCP")]
+        if cpu:
+            pairs.append(("tcp+mac", "tcp-short", "tcp, no key"))
+        for kind, limit, name in pairs:
             row = {
                 "transport": kind,
                 "size": size,
@@ -164,6 +191,13 @@ def bandwidth(conn: mp.connection.Connection, quick: bool, repeats: int) -> list
             }
             if kind == "shm":
                 row["memcpy_into_shm_gb_s"] = gbs["shared"]
+            if kind == "tcp+mac":
+                row["batches"] = max(4, n // 4)
+                row["us_per_batch"] = min(runs[kind]) / row["batches"] * 1e6
+                row["cpu_ms_per_batch"] = {  # sender, receiver: without a key, then with one
+                    "plain": [1e3 * min(c[i] for c in cpu[::2]) for i in (1, 2)],
+                    "mac": [1e3 * min(c[i] for c in cpu[1::2]) for i in (1, 2)],
+                }
             rows.append(row)
             print(
                 f"  {kind} {size:>9} B: {gbs[kind]:6.2f} GB/s vs {gbs[limit]:6.2f}", file=sys.stderr
@@ -175,9 +209,14 @@ def overhead(conn: mp.connection.Connection, quick: bool, repeats: int) -> list[
     """Per-batch cost of a tiny batch: one slot (a full round trip) and a deep ring (streaming)."""
     rows, tiny = [], np.zeros(16, np.float32)
     n = 2000 if quick else 10000
-    for kind, address in (("shm", "shm://bench"), ("tcp", "tcp://127.0.0.1:0")):
-        rtt = min(timed_batches(conn, address, 1, tiny, n) for _ in range(repeats))
-        stream = min(timed_batches_cpu(conn, address, 16, tiny, n) for _ in range(repeats))
+    tcp = "tcp://127.0.0.1:0"
+    for kind, address, key in (
+        ("shm", "shm://bench", None),
+        ("tcp", tcp, None),
+        ("tcp+mac", tcp, KEY),
+    ):
+        rtt = min(timed_batches(conn, address, 1, tiny, n, key) for _ in range(repeats))
+        stream = min(timed_batches_cpu(conn, address, 16, tiny, n, key) for _ in range(repeats))
         rows.append(
             {
                 "transport": kind,
@@ -204,7 +243,9 @@ def machine() -> str:
 
 
 def size_name(size: int) -> str:
-    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+    if size >= MiB:
+        return f"{size // MiB} MiB" if size % MiB == 0 else f"{size / MiB:.1f} MiB"
+    return f"{size // KiB} KiB"
 
 
 def report(result: dict) -> str:
@@ -224,15 +265,24 @@ def report(result: dict) -> str:
         "|---|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in result["bandwidth"]:
-        target = TARGETS[r["transport"]]
+        target = TARGETS.get(r["transport"], 0.0)
         verdict = "met" if r["ratio"] >= target else "**missed**"
-        verdict = f"{verdict} (>= {target:.0%})" if r["size"] >= MiB else "-"
+        verdict = f"{verdict} (>= {target:.0%})" if r["size"] >= MiB and target else "-"
         lines.append(
             f"| {r['transport']} | {size_name(r['size'])} | {r['slots']} | {r['gb_s']:.2f} | "
             f"{r['us_per_batch']:.0f} | {r['limit']} | {r['limit_gb_s']:.2f} | "
             f"{100 * r['ratio']:.0f}% | {verdict} |"
         )
     lines += [
+        "",
+        "CPU ms per batch (sender / receiver) of tcp without a key and with one (the MAC):",
+        ", ".join(
+            f"{size_name(r['size'])}: {p[0]:.2f} / {p[1]:.2f} -> {m[0]:.2f} / {m[1]:.2f}"
+            for r in result["bandwidth"]
+            if r["transport"] == "tcp+mac"
+            for p, m in [(r["cpu_ms_per_batch"]["plain"], r["cpu_ms_per_batch"]["mac"])]
+        )
+        + ".",
         "",
         "numpy memcpy into a shared-memory ring instead (what the shm transport's copy pays):",
         ", ".join(
