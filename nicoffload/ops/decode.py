@@ -148,6 +148,27 @@ def decoded_size(params: Mapping, consumers: Sequence, h: int, w: int) -> tuple[
     return h * m // 8, w * m // 8  # exact: dct_scale only picks exact scales
 
 
+def image_header(data) -> tuple[str, int, int, str] | None:
+    """(format, height, width, colorspace) of a JPEG or PNG from its header alone ('' as the
+    PNG's colorspace), None when it is neither or its header does not parse: what a decode of
+    it would allocate is known before a pixel is decoded (the agent budgets its memory so)."""
+    fmt = sniff(bytes(data[:16]))
+    if fmt == "png":
+        head = bytes(data[12:24])
+        if len(head) < 12 or head[:4] != b"IHDR":
+            return None
+        return "png", int.from_bytes(head[8:12], "big"), int.from_bytes(head[4:8], "big"), ""
+    if fmt != "jpeg":
+        return None
+    import simplejpeg
+
+    try:
+        h, w, space, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    return "jpeg", h, w, space
+
+
 def _error_reason(message: str) -> str:
     """libjpeg's and Pillow's words for data that stops early, else corrupt."""
     low = message.lower()
