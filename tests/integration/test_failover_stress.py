@@ -82,10 +82,28 @@ def test_killing_the_agent_at_random_moments_loses_changes_and_doubles_nothing(
 def test_stopping_the_agent_mid_run_drains_it_and_the_host_runs_what_it_refuses(
     images, host_outputs
 ):
-    rng = random.Random(7)
+    """SIGTERM once the stream is under way (the agent loaded, items flowing): the agent drains,
+    refusing what comes after, and the host runs what it refuses."""
     reasons = []
-    for delay in [rng.uniform(1.0, 2.5) for _ in range(4)]:
-        result = run_hit_at(delay, signal.SIGTERM, images)
-        check(result, host_outputs, f"SIGTERM at {delay:.2f} s")
+    for at in (30, 70, 110, 150):
+        with signal_local_agents_after(3600.0) as pids:  # no timer: the items decide when
+            result = nicoffload.run(
+                PIPELINE,
+                signalling_at(pids, images, at, signal.SIGTERM),
+                plan=split_plan("tcp"),
+                topology=local_topology(),
+                workers=1,
+            )
+        check(result, host_outputs, f"SIGTERM before item {at}")
         reasons.append(result.stats.failover or "")
     assert any("draining" in why for why in reasons), reasons
+
+
+def signalling_at(pids: list[int], items, at: int, sig: int):
+    """`items`, with `sig` sent to the run's agent just before item `at` is handed out."""
+    import os
+
+    for i, item in enumerate(items):
+        if i == at:
+            os.kill(pids[0], sig)
+        yield item
