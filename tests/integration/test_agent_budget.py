@@ -241,9 +241,13 @@ def test_headers_declaring_payloads_that_never_come_hold_no_memory(agent, token,
 
 def test_a_trickling_sender_is_dropped_after_the_payload_timeout(agent, token, tmp_path) -> None:
     """A byte every 0.3 s is never silent for io_timeout_s (30 s); the payload's deadline
-    drops it anyway."""
+    drops it anyway, and its reserved 6 MiB were never allocated."""
+    base = warm(agent, token, tmp_path)
+    peak = Peak(agent.pid)
     with loaded(agent, token, thumbs(tmp_path)) as (client, _):
         declare(client, 1, 6 * MiB)
+        good = threading.Thread(target=served, args=(agent.address, token), daemon=True)
+        good.start()  # served while the trickle goes on
         t0 = time.monotonic()
         while client.alive and time.monotonic() - t0 < BUDGET["payload_timeout_s"] + 5:
             try:
@@ -253,7 +257,11 @@ def test_a_trickling_sender_is_dropped_after_the_payload_timeout(agent, token, t
             time.sleep(0.3)
         waited = time.monotonic() - t0
         assert dropped_within(client, 2), f"still connected after {waited:.1f} s"
+        good.join(30)
+    held = peak.finish() - base
+    print(f"trickling sender: dropped after {waited:.1f} s, {held} kB over the base")
     assert waited < BUDGET["payload_timeout_s"] + 3, waited
+    assert held < MARGIN_KB, held
     served(agent.address, token)
 
 
@@ -329,6 +337,7 @@ def test_many_large_images_are_decoded_within_the_decode_budget(agent, token, tm
 
 
 def test_a_pipeline_raising_max_pixels_above_the_operators_bound_is_refused(agent, token, tmp_path):
+    base = warm(agent, token, tmp_path)
     greedy = thumbs(tmp_path, decode=", max_pixels: 100000000")
     with (
         pytest.raises(
@@ -344,3 +353,6 @@ def test_a_pipeline_raising_max_pixels_above_the_operators_bound_is_refused(agen
         client.submit(1, {"image": jpeg(64, 64)})
         assert drain(rx, 1) == {}
     served(agent.address, token)
+    grew = proc_status(agent.pid)["rss_kb"] - base
+    print(f"max_pixels raised: refused, {grew} kB over the base")
+    assert grew < MARGIN_KB, grew
