@@ -270,8 +270,9 @@ def solve_nodes(
         c = np.zeros(nv)
         c[key] = 1.0
         cons = [LinearConstraint(A, np.array(lo), np.array(hi)), *extra]
-        # HiGHS's presolve can call a feasible problem infeasible (ERGO-Code/HiGHS#2388):
-        # "infeasible" is believed only once HiGHS says it without presolve too
+        # HiGHS's presolve can call a feasible problem infeasible (ERGO-Code/HiGHS#2388) or
+        # fail on it ("Solve error", status 4, seen on fused-group terms): either is believed
+        # only once HiGHS says it without presolve too
         for presolve in (True, False):
             left = max(0.01, deadline - time.perf_counter())
             options = {"mip_rel_gap": 1e-9, "time_limit": left, "presolve": presolve}
@@ -284,7 +285,7 @@ def solve_nodes(
                     options=options,
                 )
             solves += 1
-            if res.status != 2:
+            if res.status not in (2, 4):
                 break
         if res.x is None:
             status = "infeasible" if res.status == 2 else f"failed: {res.message}"

@@ -16,12 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_planner_properties import SEEDS, _agrees_with_brute_force, random_goal
+from test_planner_properties import (
+    SEEDS,
+    _agrees_with_brute_force,
+    random_branches,
+    random_goal,
+    random_model,
+)
 
 from nicoffload import ops
 from nicoffload.graph import load_pipeline
 from nicoffload.planner import fusion
-from nicoffload.planner.cost import Catalog, build_model, chain_work
+from nicoffload.planner.branches import chain_classes
+from nicoffload.planner.cost import Catalog, Group, build_model, chain_work
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import evaluate
 from nicoffload.planner.milp import solve_milp, solve_nodes
@@ -227,3 +234,58 @@ def test_a_stage_fuses_from_its_own_first_node(placement: str, steps: list) -> N
     where = {"C": "cpu", "D": "dpu0", "G": "gpu0"}
     P = np.array([model.devices.index(where[c]) for c in placement])
     assert [("+".join(names), dev) for names, dev in planner_steps(model, P)] == steps
+
+
+def tabled_model(seed: int, chain: bool | None = None, branches: bool = False):
+    """A random model of test_planner_properties (a DAG, a chain, or parallel chains) whose
+    fused windows overlap (lengths 2 and 3) and fuse by random tables of their run's start
+    and end, shaped as `fusion.table` shapes them."""
+    model = random_branches(seed) if branches else random_model(seed, chain)
+    rng = np.random.default_rng(seed + 7)
+    n, D = model.n, len(model.devices)
+    feeds = [
+        any(r.src == v and r.consumers == (v + 1,) and not r.output for r in model.refs)
+        and not any(v + 1 in r.consumers for r in model.refs if r.src != v)
+        for v in range(n)
+    ]  # v and v + 1 may be in one window
+    found = [
+        (i, i + k - 1)
+        for i in range(n)
+        for k in (2, 3)
+        if i + k <= n and all(feeds[i : i + k - 1]) and rng.random() < 0.5
+    ]
+    cut = fusion.cuts(n, found)
+    groups = []
+    for i, j in found:
+        s0, rows = fusion.table(found, (i, j), cut)
+        rows = rng.random(rows.shape) < 0.6
+        own = model.cost[i : j + 1].sum(axis=0)
+        delta = np.where(rng.random(D) < 0.3, np.nan, own * rng.uniform(-0.9, 0.1, D))
+        delta = np.where(np.isfinite(delta), delta, np.nan)
+        groups.append(Group(tuple(range(i, j + 1)), "a+b", delta, s0, rows))
+    return dataclasses.replace(model, groups=tuple(groups))
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_milp_is_exact_for_any_table_of_where_a_run_fuses(seed: int) -> None:
+    model = tabled_model(seed)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_nodes(model, goal).placement)
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_branch_flow_is_exact_for_any_table_of_where_a_run_fuses(seed: int) -> None:
+    model = tabled_model(seed, branches=True)
+    assert chain_classes(model) is not None
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_milp(model, goal).placement)
+
+
+@SETTINGS
+@given(SEEDS)
+def test_the_chain_dp_is_exact_for_any_table_of_where_a_run_fuses(seed: int) -> None:
+    model = tabled_model(seed, chain=True)
+    goal = random_goal(model, seed)
+    _agrees_with_brute_force(model, goal, solve_chain(model, goal))
