@@ -50,15 +50,22 @@ class Channel:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._memo: dict[bytes, Header] = {}
+        self.io_timeout = io_timeout
         self._transcript: Any = None  # sha256 of the frames so far, while `record`ing
         self._tx: FrameMac | None = None  # set by `secure`: frames sent carry a tag...
         self._rx: FrameMac | None = None  # ...and frames read must carry a valid one
         self._mac: Any = None  # the MAC of the frame whose payload is being read
         self._left = 0  # payload bytes of that frame still to read (its tag follows them)
+        self.set_io_timeout(io_timeout)
+
+    def set_io_timeout(self, seconds: float) -> None:
+        """How long a peer may stay silent mid-frame (or not read what is sent): a handshake
+        runs under its own deadline, the connection then under IO_TIMEOUT."""
         # Kernel-side timeouts: no poll() per call, and a hung peer cannot block us for ever.
-        tv = struct.pack("ll", int(io_timeout), int(io_timeout % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.io_timeout = seconds
 
     # --- integrity ---------------------------------------------------------------------------
 
@@ -120,7 +127,9 @@ class Channel:
                 else:
                     self.sock.sendall(parts[0], flags)
             except BlockingIOError as exc:
-                raise TransportError(f"{self.peer}: stopped reading for {IO_TIMEOUT} s") from exc
+                raise TransportError(
+                    f"{self.peer}: stopped reading for {self.io_timeout} s"
+                ) from exc
             except OSError as exc:
                 raise TransportError(f"{self.peer}: send failed: {exc}") from exc
 
@@ -239,7 +248,9 @@ class Channel:
             except BlockingIOError as exc:  # SO_RCVTIMEO: idle between frames is fine
                 if not mid_frame:
                     continue
-                raise TransportError(f"{self.peer}: silent for {IO_TIMEOUT} s mid-frame") from exc
+                raise TransportError(
+                    f"{self.peer}: silent for {self.io_timeout} s mid-frame"
+                ) from exc
             except OSError as exc:
                 raise TransportError(f"{self.peer}: receive failed: {exc}") from exc
             if k == 0 and mid_frame:

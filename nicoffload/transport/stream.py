@@ -17,7 +17,7 @@ import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
 from nicoffload.transport.base import MAX_SLOTS, Receiver, Sender
-from nicoffload.transport.channel import Channel
+from nicoffload.transport.channel import IO_TIMEOUT, Channel
 from nicoffload.transport.frame import (
     MAX_PAYLOAD,
     OUT_OF_BAND,
@@ -60,11 +60,14 @@ class SlotSender(Sender):
         self, address: str, sock: socket.socket, timeout: float, key: bytes | None
     ) -> Welcome:
         self.address = address
-        self._ch = Channel(sock, f"receiver at {address}")
+        # The handshake within `timeout`, mid-frame too (a peer that sends a few bytes of
+        # something else does not hold it for IO_TIMEOUT); the connection then under IO_TIMEOUT.
+        self._ch = Channel(sock, f"receiver at {address}", io_timeout=timeout)
         self._lock = threading.Lock()
         self._broken: TransportError | None = None
         self._closed = False
         welcome = open_sender(self._ch, self.transport, check_key(key), timeout)
+        self._ch.set_io_timeout(IO_TIMEOUT)
         if not (1 <= welcome.slots <= MAX_SLOTS and 1 <= welcome.slot_bytes <= MAX_PAYLOAD):
             raise FrameError(
                 f"malformed frame: meta: a ring of {welcome.slots} x {welcome.slot_bytes} bytes"
