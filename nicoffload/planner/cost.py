@@ -6,8 +6,9 @@ decodes smaller, in the DCT domain, as `ops.decode.decoded_size` decides for its
 GPU decoder decodes at full size and is priced so, while the one size each tensor has here is
 the CPU/DPU decoder's). A fusable chain the runtime runs as one kernel costs that kernel's time
 instead, where the runtime fuses it: within a stage, greedily from its first node (`fusion`).
-A tensor crossing devices loads each hop of its route: `bytes / bandwidth` on the link, and the transport's CPU time
-per byte on each CPU endpoint. Pure functions of their inputs: no I/O, no clock.
+A tensor crossing devices loads each hop of its route: `bytes / bandwidth` on the link, and
+the transport's CPU time per byte on each CPU endpoint. Pure functions of their inputs: no
+I/O, no clock.
 """
 
 from __future__ import annotations

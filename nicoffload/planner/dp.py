@@ -1,8 +1,9 @@
 """Exact dynamic programming over a chain of nodes (decode -> resize -> crop -> normalize).
 
-A state is the device of the last placed node (and the first node of its run on that device
-whose fusion is not yet decided) with the vector of everything the objective and the constraints can still grow: each
-resource's work, the item's time so far, the latency of outputs already delivered, and memory.
+A state is the device of the last placed node (and the first node of its run there whose
+fusion is not yet decided) with the vector of everything the objective and the constraints can
+still grow: each resource's work, the item's time so far, the latency of outputs already
+delivered, and memory.
 The future adds the same to every state of one key, so a state dominated componentwise by
 another of its key is never better: pruning those (and states whose lower bound already exceeds
 an incumbent) keeps the search exact. Brute force in the tests checks that.
