@@ -79,12 +79,13 @@ def loaded(
     slots: int = 2,
     batch: int = 32,
     wait_ms: float = 20,
+    slot_bytes: int = 4 * MiB,
 ) -> Iterator[tuple[AgentClient, object]]:
     """A client with `pipeline` loaded (batches of `batch`, formed within `wait_ms`),
     forwarding to a receiver of `slots` slots."""
     plan = single_device_plan(load_pipeline(pipeline), "dpu0")
     with (
-        listen("tcp://127.0.0.1:0", slots=slots, slot_bytes=4 * MiB) as rx,
+        listen("tcp://127.0.0.1:0", slots=slots, slot_bytes=slot_bytes) as rx,
         AgentClient(agent.address, token, timeout=10) as client,
     ):
         client.load(
@@ -336,6 +337,28 @@ def test_many_large_images_are_decoded_within_the_decode_budget(agent, token, tm
     assert held < BUDGET["decode_bytes_per_client"] // 1024 + MARGIN_KB, held
 
 
+def test_decoded_images_sent_whole_are_held_within_the_decode_budget(agent, token, tmp_path):
+    """16 JPEGs of 4 megapixels whose decoded images are the stage's output: each is held
+    (12 MB) until its batch is sent, so a batch of them is what the budget must bound."""
+    base = warm(agent, token, tmp_path)
+    peak = Peak(agent.pid)
+    pipeline = tmp_path / "decoded.yaml"
+    pipeline.write_text(THUMBS.split("  - {name: resize")[0] % "" + "outputs: {image: decode}\n")
+    image = jpeg(2000, 2000)
+    with loaded(agent, token, pipeline, wait_ms=200, slot_bytes=256 * MiB) as (client, rx):
+        submits = threading.Thread(
+            target=lambda: [client.submit(i, {"image": image}, timeout=60) for i in range(16)]
+        )
+        submits.start()
+        failed = drain(rx, 16, timeout=60)
+        submits.join(60)
+    served(agent.address, token)
+    held = peak.finish() - base
+    print(f"decoded images sent whole: {held} kB over the base")
+    assert failed == {}, failed
+    assert held < BUDGET["decode_bytes_per_client"] // 1024 + MARGIN_KB, held
+
+
 def test_a_pipeline_raising_max_pixels_above_the_operators_bound_is_refused(agent, token, tmp_path):
     base = warm(agent, token, tmp_path)
     greedy = thumbs(tmp_path, decode=", max_pixels: 100000000")
@@ -356,3 +379,18 @@ def test_a_pipeline_raising_max_pixels_above_the_operators_bound_is_refused(agen
     grew = proc_status(agent.pid)["rss_kb"] - base
     print(f"max_pixels raised: refused, {grew} kB over the base")
     assert grew < MARGIN_KB, grew
+
+
+def test_loads_past_the_batch_budget_are_refused_until_a_session_closes(agent, token, tmp_path):
+    """Each stage's three slots of 10 x 512x512x3 take 23.6 MB of the 32 MiB batch_bytes."""
+    big = thumbs(tmp_path, (512, 512))
+    with loaded(agent, token, big, batch=10):
+        with (
+            pytest.raises(AgentError, match=r"batch slots need 23592960 bytes; the agent's "),
+            loaded(agent, token, big, batch=10),
+        ):
+            pass
+        served(agent.address, token)  # a small stage still fits
+    with loaded(agent, token, big, batch=10) as (client, rx):
+        client.submit(1, {"image": jpeg(64, 64)})
+        assert drain(rx, 1) == {}
