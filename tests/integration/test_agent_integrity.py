@@ -44,13 +44,19 @@ BERT = ROOT / "pipelines" / "bert.yaml"
 Tamper = Callable[[int, int, bytes], bytes]  # (frame index, kind, frame bytes) -> bytes to pass
 
 
-class Relay:
-    """A frame-aware relay on loopback to `target`: the first `plain` frames from the client
-    (its side of the handshake) and everything back pass untouched; each later frame (head,
-    payload, tag) goes through `tamper`, which returns what to pass on instead."""
+def passed(i: int, kind: int, frame: bytes) -> bytes:
+    return frame
 
-    def __init__(self, target: tuple[str, int], tamper: Tamper, plain: int = 2) -> None:
-        self.target, self.tamper, self.plain = target, tamper, plain
+
+class Relay:
+    """A frame-aware relay on loopback to `target`: the first `plain` frames each way (the
+    handshake) pass untouched; each later frame (head, payload, tag) from the client goes
+    through `tamper`, and from the server through `back`, which return what to pass on."""
+
+    def __init__(
+        self, target: tuple[str, int], tamper: Tamper, plain: int = 2, back: Tamper = passed
+    ) -> None:
+        self.target, self.tamper, self.back, self.plain = target, tamper, back, plain
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.socks: list[socket.socket] = []
@@ -62,18 +68,10 @@ class Relay:
             down, _ = self.listener.accept()
             up = socket.create_connection(self.target)
             self.socks += [down, up]
-            threading.Thread(target=self._back, args=(up, down), daemon=True).start()
-            self._forward(down, up)
+            threading.Thread(target=self._forward, args=(up, down, self.back), daemon=True).start()
+            self._forward(down, up, self.tamper)
 
-    @staticmethod
-    def _back(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def _forward(self, src: socket.socket, dst: socket.socket) -> None:
+    def _forward(self, src: socket.socket, dst: socket.socket, tamper: Tamper) -> None:
         with contextlib.suppress(OSError):
             for i in range(1 << 30):
                 head = _exactly(src, HEADER_SIZE)
@@ -85,7 +83,7 @@ class Relay:
                 )
                 tag = TAG_BYTES if i >= self.plain else 0
                 rest = _exactly(src, meta_len + payload + tag)
-                dst.sendall(self.tamper(i, head[FIELD_OFFSETS["kind"]], head + (rest or b"")))
+                dst.sendall(tamper(i, head[FIELD_OFFSETS["kind"]], head + (rest or b"")))
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -186,9 +184,9 @@ class Armed:
 
 
 @contextlib.contextmanager
-def relayed_session(agent: LocalAgent, token: bytes, tamper: Tamper):
+def relayed_session(agent: LocalAgent, token: bytes, tamper: Tamper, back: Tamper = passed):
     """A client through a relay, with BERT loaded and one request served end to end."""
-    relay = Relay(host_port(agent.address), tamper)
+    relay = Relay(host_port(agent.address), tamper, back=back)
     try:
         with (
             AgentClient(relay.address, token, timeout=5) as client,
@@ -265,6 +263,27 @@ def test_a_replayed_frame_is_refused(agent, token_file) -> None:
         assert not client.alive
     assert tamper.done
     assert bad_macs(agent, token) == before + 1
+
+
+def test_a_frame_forged_towards_the_client_kills_the_connection_and_is_never_acted_on(
+    agent, token_file
+) -> None:
+    """The relay slips a CREDIT for 1000 requests in front of the agent's next HEARTBEAT: the
+    client must not take the credits (it would outrun the agent's window); it is dead."""
+    token = auth.read_token(token_file)
+    credit = encode(Header(Kind.CREDIT, batch_size=1000)) + os.urandom(TAG_BYTES)
+    back = Armed(Kind.HEARTBEAT, lambda f: credit + f)
+    with relayed_session(agent, token, passed, back) as (client, _):
+        credits = client._credits
+        back.armed = True
+        deadline = time.monotonic() + 10
+        while client.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.alive
+        assert client._credits == credits
+        with pytest.raises(AgentError, match="mac"):
+            client.stats()
+    assert back.done
 
 
 def test_a_stranger_cannot_attach_to_the_hosts_receiver_and_the_agent_still_does(
