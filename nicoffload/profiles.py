@@ -17,13 +17,14 @@ from nicoffload.errors import Mark, ProfileError
 from nicoffload.kerneltime import RING, busy_ms
 
 FORMAT = "nicoffload-profile"
-# 2: a measured CPU/DPU decode_image is fit on decodes the kernel runs (see STALE_DECODE). A
-# version 1 profile is still read where that does not matter: estimates and GPU profiles.
+# 2: a measured CPU/DPU decode_image is fit at the work of the decode the kernel runs (see
+# STALE_DECODE). A version 1 profile is still read where that does not matter: estimates and
+# GPU profiles.
 VERSION = 2
 STALE_DECODE = (
-    "its decode_image cost was measured on JPEGs that the decoder of its day scaled by 6/8 in "
-    "the DCT domain, a decode that no longer runs (exact 1/2, 1/4, 1/8 scales only, else full "
-    "size): the planner would misprice decode with it"
+    "its decode_image points record each decode's work as a 6/8 DCT-scaled image (the planner's "
+    "rule of its day) while the kernel decoded it at full size, so the planner, which prices "
+    "the pixels really decoded, would price decode about 16/9 too high with it"
 )
 SHIPPED_DIR = Path(__file__).resolve().parent / "data" / "profiles"
 # The shipped estimate used for a device kind when this machine has no measured profile.

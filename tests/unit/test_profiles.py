@@ -190,8 +190,9 @@ def _v1(kind: str, method: str) -> dict:
 def test_a_decode_measured_before_decode_was_priced_as_it_runs_is_refused(
     tmp_path: Path, kind: str
 ) -> None:
-    """Version 1 measured CPU/DPU profiles fit decode on 6/8 DCT-scaled decodes, which the
-    decoder no longer runs: planning with one is refused, saying how to measure it again."""
+    """Version 1 measured CPU/DPU profiles fit full-size decodes at the work of a 6/8 DCT-scaled
+    one (the planner's old rule), 16/9 too little: planning with one is refused, saying how to
+    measure it again."""
     path = tmp_path / "old.json"
     path.write_text(json.dumps(_v1(kind, "measured: 8 worker threads")))
     with pytest.raises(ProfileError, match="6/8") as info:
