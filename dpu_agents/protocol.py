@@ -7,6 +7,8 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
                                         <-   CHALLENGE {nonce_a, agent}
     AUTH    {nonce_c, proof_c}          ->                    (wrong proof: ERROR, closed, logged)
                                         <-   WELCOME {proof_a, agent, cores, max_request_bytes}
+    from here on, both ways, every frame is followed by a 32-byte MAC (auth.session_keys,
+    transport.integrity): one that fails is an ERROR and the connection closes (`bad_mac`)
     LOAD    #call {stage, forward_to, ...} + payload: pipeline YAML, plan JSON
                                         <-   ACK #call {session, window, outputs} | ERROR #call
     REQUEST request_id {inputs} + payload: the input values, back to back     (uses one credit)
@@ -16,7 +18,8 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
                                         <-   ERROR request_id=0: fatal, then the agent closes
 
 `#call` is a call id in the header's request_id (>= 1) that the reply echoes. Outputs do not come
-back on this connection: the agent forwards them to the receiver named by LOAD's `forward_to`.
+back on this connection: the agent forwards them to the receiver named by LOAD's `forward_to`,
+proving to it the session's forward key (which both sides derive; it never crosses the wire).
 """
 
 from __future__ import annotations
