@@ -18,6 +18,8 @@ from dpu_agents.protocol import DEFAULT_MAX_REQUEST_BYTES
 from nicoffload.errors import Mark, UserError
 from nicoffload.yamlmarks import did_you_mean
 
+MAX_DEDUP_WINDOW = 1 << 24
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -90,6 +92,12 @@ def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
         value = getattr(cfg, name)
         if value:
             split_hostport(value, name, mark)
+    if cfg.dedup_window > MAX_DEDUP_WINDOW:  # one bit per id, per session
+        raise UserError(
+            f"'dedup_window' must be at most {MAX_DEDUP_WINDOW} (2 MiB a session), "
+            f"got {cfg.dedup_window}",
+            mark,
+        )
     if cfg.tokenizer_dir and not Path(cfg.tokenizer_dir).is_dir():
         raise UserError(f"'tokenizer_dir' {cfg.tokenizer_dir!r} is not a directory", mark)
     for cidr in cfg.forward_allow:

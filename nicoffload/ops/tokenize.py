@@ -40,7 +40,9 @@ def tokenizer_by_id(param: str, value: object, directory: str) -> str:
         raise ParamError(
             param,
             f"parameter '{param}' must be a tokenizer id on an agent (a name of up to 64 of "
-            f"A-Z a-z 0-9 _ . @ -, not a path), got {str(value)[:80]!r}",
+            f"A-Z a-z 0-9 _ . @ -, not a path), got {str(value)[:80]!r}: name a shipped one, or "
+            "a file of the agent's tokenizer_dir by its name (`my-tok.json`), or pin the node "
+            "to the host",
         )
     name = value if value.endswith(".json") else f"{value}.json"
     for folder in (DATA_DIR, *((Path(directory),) if directory else ())):

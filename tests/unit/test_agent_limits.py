@@ -67,6 +67,15 @@ def test_a_million_ids_take_the_same_memory_as_none() -> None:
     assert not seen.add(2_999_997) and seen.add(2_999_998)
 
 
+def test_a_dedup_window_of_more_than_2_mib_a_session_is_refused(tmp_path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(f"dedup_window = {1 << 24}\n")
+    assert load_config(path).dedup_window == 1 << 24
+    path.write_text(f"dedup_window = {(1 << 24) + 1}\n")
+    with pytest.raises(UserError, match="'dedup_window' must be at most 16777216"):
+        load_config(path)
+
+
 # --- failed rows ---------------------------------------------------------------------------
 
 REASONS = ["bad_request", "unsupported_format", "truncated", "too_large", "agent_draining"]
