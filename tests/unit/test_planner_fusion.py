@@ -106,12 +106,13 @@ def random_topology(rng: np.random.Generator) -> Topology:
 
 
 def profiles_for(topology: Topology, rng: np.random.Generator) -> dict:
-    """The shipped profiles, with the host's two-op chains priced too (the estimate prices
-    only resize+center_crop+normalize), so that every fused step has its own price."""
+    """The shipped profiles, with the two-op chains of host and DPU cores priced too (their
+    estimates price only resize+center_crop+normalize), so that each fused step has a price
+    of its own."""
     out = {}
     for dev in topology.devices:
         p = load_profile(profile_path(SHIPPED[dev.kind]))
-        if dev.kind == "cpu":
+        if dev.kind in ("cpu", "dpu"):
             extra = {
                 key: KernelCost(
                     float(rng.uniform(0, 0.05)), float(rng.uniform(1e-7, 2e-6)), "pixels"
