@@ -228,7 +228,7 @@ class Agent:
 class AuthLimit:
     """Wrong tokens per address: `limit` of them within `window_s`, and that address's new
     connections are closed as they are accepted for `block_s`. At most MAX_ADDRESSES are
-    followed at once (past that, the one that failed longest ago is forgotten)."""
+    followed, and as many blocked (past that, the oldest is forgotten)."""
 
     MAX_ADDRESSES = 4096
 
@@ -238,7 +238,7 @@ class AuthLimit:
         self.limit, self.window_s, self.block_s, self._clock = limit, window_s, block_s, clock
         self._lock = threading.Lock()
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
-        self._until: dict[str, float] = {}  # address -> when its block ends
+        self._until: OrderedDict[str, float] = OrderedDict()  # address -> its block's end, in order
 
     def failed(self, address: str) -> None:
         now = self._clock()
@@ -248,22 +248,20 @@ class AuthLimit:
             while times and times[0] <= now - self.window_s:
                 times.popleft()
             if len(times) >= self.limit:
-                self._until[address] = now + self.block_s
+                self._until.pop(address, None)
+                self._until[address] = now + self.block_s  # the latest end last
                 times.clear()
             self._failures[address] = times  # the most recent failure last
-            while len(self._failures) > self.MAX_ADDRESSES:
-                self._failures.popitem(last=False)
+            for table in (self._failures, self._until):
+                while len(table) > self.MAX_ADDRESSES:
+                    table.popitem(last=False)
 
     def blocked(self, address: str) -> bool:
         now = self._clock()
         with self._lock:
-            until = self._until.get(address)
-            if until is not None and until <= now:
-                del self._until[address]
-                until = None
-            if len(self._until) > self.MAX_ADDRESSES:  # many blocks: forget the lapsed ones
-                self._until = {a: t for a, t in self._until.items() if t > now}
-            return until is not None
+            while self._until and next(iter(self._until.values())) <= now:
+                self._until.popitem(last=False)  # lapsed
+            return address in self._until
 
 
 class Refusals:

@@ -203,11 +203,13 @@ def test_wrong_tokens_spread_wider_than_the_window_do_not_block() -> None:
     assert not limit.blocked("10.0.0.7")
 
 
-def test_the_addresses_followed_are_bounded() -> None:
-    limit = AuthLimit(3, window_s=10.0, block_s=30.0, clock=Clock())
+def test_the_addresses_followed_and_blocked_are_bounded() -> None:
+    limit = AuthLimit(2, window_s=10.0, block_s=30.0, clock=Clock())
     for i in range(3 * AuthLimit.MAX_ADDRESSES):
-        limit.failed(f"10.{i >> 16}.{i >> 8 & 255}.{i & 255}")
-    assert len(limit._failures) == AuthLimit.MAX_ADDRESSES
+        for _ in range(2):
+            limit.failed(f"10.{i >> 16}.{i >> 8 & 255}.{i & 255}")
+    assert len(limit._failures) == len(limit._until) == AuthLimit.MAX_ADDRESSES
+    assert limit.blocked("10.0.47.255") and not limit.blocked("10.0.0.1")  # newest kept
 
 
 # --- tokenizers by id ----------------------------------------------------------------------
