@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 
 import msgspec
 
@@ -44,6 +45,8 @@ from nicoffload.transport.integrity import (
 )
 
 Nonces = tuple[bytes, bytes]  # (the sender's, the receiver's)
+Rival = tuple[socket.socket, float]  # a listener, and when this connection's handshake began
+DISPLACE_AFTER = 0.25  # s into its handshake, a connection not yet proved gives way to a newer
 
 
 def check_key(key: bytes | None) -> bytes | None:
@@ -53,7 +56,7 @@ def check_key(key: bytes | None) -> bytes | None:
 
 
 def read(
-    ch: Channel, kinds: tuple[Kind, ...], timeout: float, rival: socket.socket | None = None
+    ch: Channel, kinds: tuple[Kind, ...], timeout: float, rival: Rival | None = None
 ) -> tuple[Kind, bytes]:
     """Read one frame of one of `kinds` within `timeout` s: its kind and metadata. With a
     `rival` (a listener), a connection waiting there first displaces this one."""
@@ -71,23 +74,29 @@ def read(
     return got[0].kind, got[1]
 
 
-def expect(ch: Channel, kind: Kind, timeout: float, rival: socket.socket | None = None) -> bytes:
+def expect(ch: Channel, kind: Kind, timeout: float, rival: Rival | None = None) -> bytes:
     """Read one frame of `kind` (its metadata) within `timeout` s; TransportError otherwise."""
     return read(ch, (kind,), timeout, rival)[1]
 
 
-def _wait(ch: Channel, timeout: float, rival: socket.socket | None) -> bool:
+def _wait(ch: Channel, timeout: float, rival: Rival | None) -> bool:
+    """Whether a frame is there within `timeout` s; TransportError once a newer connection
+    waits on the rival listener and this one's handshake is DISPLACE_AFTER s old."""
     if rival is None or ch.readable(0):
         return ch.readable(timeout)
+    listener, since = rival
     poll = select.poll()
-    for sock in (ch.sock, rival):
+    for sock in (ch.sock, listener):
         poll.register(sock, select.POLLIN)
     ready = {fd for fd, _ in poll.poll(max(0, int(timeout * 1000)))}
     if ch.sock.fileno() in ready:
         return True
-    if ready:
-        raise TransportError(f"{ch.peer}: displaced by a newer connection before it proved the key")
-    return False
+    if not ready:
+        return False
+    grace = since + DISPLACE_AFTER - time.monotonic()
+    if grace > 0 and ch.readable(min(grace, timeout)):
+        return True  # a handshake on its way is not cut short by a newcomer
+    raise TransportError(f"{ch.peer}: displaced by a newer connection before it proved the key")
 
 
 def open_sender(ch: Channel, transport: str, key: bytes | None, timeout: float) -> Welcome:
@@ -121,12 +130,13 @@ def greet_sender(
     that does not prove the key is refused: TransportError). The nonces, for `welcome`.
 
     With a key, a newer connection waiting on `listener` displaces one that has not proved
-    the key yet: a stranger who connects first and stays silent cannot hold the receiver
-    until the real sender's connect times out."""
+    the key DISPLACE_AFTER s into its handshake: a stranger who connects first and stalls
+    cannot hold the receiver until the real sender's connect times out, and strangers who
+    keep connecting cannot cut short a sender that answers promptly."""
     rival = None
     if key is not None:
         ch.record()
-        rival = listener
+        rival = (listener, time.monotonic())
     hello = decode_meta(expect(ch, Kind.HELLO, timeout, rival), Hello)
     if hello.transport != transport:
         raise FrameError(f"a {hello.transport} sender, this is a {transport} ring")

@@ -14,6 +14,10 @@ import pytest
 
 from nicoffload.errors import TransportError
 from nicoffload.transport import connect, listen
+from nicoffload.transport.channel import Channel
+from nicoffload.transport.frame import Header, Hello, Kind, Welcome, decode_meta, encode
+from nicoffload.transport.handshake import expect
+from nicoffload.transport.integrity import DataAuth, DataChallenge, nonce, sender_proof
 
 KEY = os.urandom(32)
 
@@ -90,3 +94,21 @@ def test_the_senders_handshake_ends_within_its_timeout_whatever_the_peer_sends(s
         thread.join(5)
         for s in [*held, server]:
             s.close()
+
+
+def test_a_sender_answering_promptly_is_not_displaced_by_a_newcomer() -> None:
+    """A stranger connects while a sender is between CHALLENGE and AUTH: a sender that answers
+    within DISPLACE_AFTER still gets its WELCOME (only one that stalls gives way)."""
+    with listen("tcp://127.0.0.1:0", slots=1, slot_bytes=64, key=KEY) as rx:
+        host, port = rx.address.removeprefix("tcp://").rsplit(":", 1)
+        ch = Channel(socket.create_connection((host, int(port))), "receiver", io_timeout=5)
+        try:
+            mine = nonce()
+            ch.send(encode(Header(Kind.HELLO), Hello("tcp", mine)))
+            theirs = decode_meta(expect(ch, Kind.CHALLENGE, 5), DataChallenge).nonce
+            with socket.create_connection((host, int(port))):
+                time.sleep(0.05)  # the newcomer is waiting at the listener
+                ch.send(encode(Header(Kind.AUTH), DataAuth(sender_proof(KEY, mine, theirs))))
+                assert decode_meta(expect(ch, Kind.WELCOME, 5), Welcome).proof
+        finally:
+            ch.close()
