@@ -18,7 +18,7 @@ from test_agent_hardening import BATCH, BERT, proc_status, scrape, served, start
 from dpu_agents import auth
 from dpu_agents.protocol import AuthMeta, HelloMeta, frame
 from nicoffload.agent_client import AgentClient
-from nicoffload.errors import AgentError
+from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan
 from nicoffload.transport import listen
@@ -138,8 +138,8 @@ def guess(address: str, source: str) -> bytes:
             ch.send(frame(Kind.AUTH, AuthMeta(auth.nonce(), b"\0" * 32)))
             while ch.readable(5) and (head := ch.read_head(0)) is not None:
                 got += bytes(head[1])
-    except OSError:
-        pass  # closed under us: what was got is the answer
+    except (OSError, TransportError):
+        pass  # closed (or reset) under us: what was got is the answer
     finally:
         sock.close()
     return got
