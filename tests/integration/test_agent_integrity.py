@@ -280,7 +280,7 @@ def test_a_frame_forged_towards_the_client_kills_the_connection_and_is_never_act
         while client.alive and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not client.alive
-        assert client._credits == credits
+        assert client._credits <= credits + 1  # request 1's own credit may come; 1000 never
         with pytest.raises(AgentError, match="mac"):
             client.stats()
     assert back.done
