@@ -226,3 +226,24 @@ batch: {max_size: 2, max_wait_ms: 2}
     assert got.ok.all() and want.ok.all()
     assert got.outputs["full"][0].shape == (1024, 1536, 3)
     np.testing.assert_array_equal(got.outputs["full"][0], want.outputs["full"][0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cost model has one size per tensor, the CPU/DPU decoder's: what reads a GPU "
+    "decoder's full-size image (a resize's work, the bytes it crosses a link with) is priced "
+    "at the DCT-scaled size",
+)
+def test_what_reads_a_gpu_decoders_image_is_priced_at_its_full_size(tmp_path):
+    from nicoffload.ops.resize import output_size
+    from nicoffload.planner.evaluate import evaluate
+
+    pipeline = _one_resize(tmp_path, 960, 1280, "shorter: 70")  # a CPU decode is 1/4: 240x320
+    topo = _local_like(gpu=True)
+    profiles = resolve_profiles(topo)
+    model = build_model(pipeline, topo, profiles, IMAGE)
+    on = {"decode": "gpu0", "resize": "cpu"}  # nvJPEG decodes 960x1280, the host resizes it
+    P = np.array([model.devices.index(on[name]) for name in model.nodes])
+    oh, ow = output_size(pipeline.node("resize").params, 960, 1280)
+    want = profiles["cpu"].kernel("resize").ms(960 * 1280 + oh * ow)
+    assert evaluate(model, P[None, :]).work[0, model.devices.index("cpu")] == pytest.approx(want)
