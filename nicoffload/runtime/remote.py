@@ -10,6 +10,7 @@ on the host, and a late result for an item already taken back is ignored: exactl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import tempfile
@@ -23,6 +24,7 @@ from typing import Any
 from nicoffload.errors import AgentError, DeviceError, Mark, TransportError, UserError
 from nicoffload.graph import Pipeline, Ref
 from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.runtime.loadtext import load_text
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
 from nicoffload.transport.frame import MAX_PAYLOAD
@@ -277,8 +279,12 @@ def open_front(
                 f"{device.id}: the plan moves stage '{stage.name}' outputs over rdma, but {exc}"
             ) from exc
     with contextlib.ExitStack() as stack:
+        folder = None
+        if device.emulated:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
+        text, tokenizers = load_text(pipeline, stage, folder)
         try:
-            client = stack.enter_context(_reach(stack, device, token_file))
+            client = stack.enter_context(_reach(stack, device, token_file, folder, tokenizers))
         except _Died as exc:  # the local agent died while it started
             yield RemoteFront.gone(stage, f"the local agent died while it started: {exc}")
             return
@@ -303,7 +309,7 @@ def open_front(
             landing = stack.enter_context(GpuLanding(rx, gpu))  # closed before the receiver
         try:
             client.load(
-                Path(pipeline.path).read_text(encoding="utf-8"),
+                text,
                 plan,
                 stage.name,
                 rx.address,
@@ -325,8 +331,15 @@ class _Died(Exception):
 
 
 @contextlib.contextmanager
-def _reach(stack: contextlib.ExitStack, device: Device, token_file: str | Path | None):
-    """An authenticated AgentClient to `device`'s agent; an emulated one is started first.
+def _reach(
+    stack: contextlib.ExitStack,
+    device: Device,
+    token_file: str | Path | None,
+    folder: Path | None,
+    tokenizers: Path | None,
+):
+    """An authenticated AgentClient to `device`'s agent; an emulated one is started first, in
+    `folder`, with `tokenizers` as its tokenizer_dir (see `loadtext`).
 
     A wrong or missing token is the user's mistake (UserError); a real agent that does not
     answer is a DeviceError; an emulated one that dies on the way is `_Died` (failover)."""
@@ -335,11 +348,15 @@ def _reach(stack: contextlib.ExitStack, device: Device, token_file: str | Path |
     from nicoffload.agent_client import AgentClient
 
     if device.emulated:
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
+        assert folder is not None
         token_file = folder / "agent.token"
         auth.write_token(token_file)
+        config = None
+        if tokenizers is not None:
+            config = folder / "agent.toml"
+            config.write_text(f"tokenizer_dir = {json.dumps(str(tokenizers))}\n")
         try:
-            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores))
+            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores, config=config))
         except AgentError as exc:
             raise _Died(str(exc)) from exc
         address = agent.address

@@ -40,3 +40,34 @@ def test_a_host_cpu_plan_run_with_run_plan_returns_real_outputs(name, tmp_path):
         got, want = np.load(f), np.load(tmp_path / "h" / f.name)
         assert got.any(), f"{f.name} is all zeros"
         np.testing.assert_array_equal(got, want, err_msg=f.name)
+
+
+def test_a_tokenizer_named_by_path_runs_on_the_emulated_dpu(tmp_path):
+    """An agent takes tokenizers by id only; for the local agent it starts, the host stages
+    the file the pipeline names by path (runtime/loadtext.py)."""
+    import shutil
+
+    from nicoffload.ops import DATA_DIR
+
+    (tmp_path / "sub").mkdir()
+    shutil.copyfile(DATA_DIR / "bert-base-uncased.json", tmp_path / "sub" / "my tok.json")
+    texts = ["a first text", "", "another one, longer than the first"]
+    for kind in ("cpu", "dpu"):
+        path = tmp_path / f"{kind}.yaml"
+        path.write_text(
+            f"""
+name: own-tokenizer
+inputs: {{text: {{kind: text}}}}
+nodes:
+  - {{name: tok, op: tokenize, in: text, params: {{tokenizer: "sub/my tok.json", max_length: 16}}}}
+outputs: {{ids: tok.input_ids}}
+placement: {{tok: [{kind}]}}
+"""
+        )
+    import nicoffload
+
+    want = nicoffload.run(tmp_path / "cpu.yaml", texts)
+    got = nicoffload.run(tmp_path / "dpu.yaml", texts)
+    assert got.stats.placement == {"tok": "dpu0"} and got.stats.failover is None
+    assert got.ok.all()
+    np.testing.assert_array_equal(got.outputs["ids"], want.outputs["ids"])
