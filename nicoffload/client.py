@@ -78,7 +78,7 @@ class Client:
                 if transport == "shm"
                 else f"tcp://{agent.local_host}:0"
             )
-            with listen(where, slots=slots, slot_bytes=slot_bytes) as rx:
+            with listen(where, slots=slots, slot_bytes=slot_bytes, key=agent.forward_key) as rx:
                 agent.load(
                     Path(pipeline.path).read_text(encoding="utf-8"),
                     plan,
