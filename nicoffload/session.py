@@ -51,6 +51,7 @@ class Session:
         self._closed = False
         self._cancel = threading.Event()
         self._active: Iterator[Batch] | None = None  # the latest stream() generator
+        self._active_thread = 0  # the thread that made it
         t0 = time.perf_counter()
         try:
             self.front = self._stack.enter_context(open_front(prep))
@@ -97,9 +98,18 @@ class Session:
         """Run `items` and yield their batches in order as they complete; `stats` (optional) is
         filled as the call goes and complete at its end. Items: as for `run`. A batch's arrays
         are views into a reused slot, valid until the next batch is asked for."""
+        self._end_suspended()
         gen = self._call(items, stats if stats is not None else RunStats())
-        self._active = gen
+        self._active, self._active_thread = gen, threading.get_ident()
         return gen
+
+    def _end_suspended(self) -> None:
+        """A stream that this thread left suspended ends here, as one dropped after `break`
+        does: a new call from the thread that holds it would wait for it for ever."""
+        gen = self._active
+        if gen is not None and self._active_thread == threading.get_ident():
+            with contextlib.suppress(ValueError):  # running: in this thread, it cannot be
+                gen.close()
 
     def _call(self, items: Iterable[Any], stats: RunStats) -> Iterator[Batch]:
         with self._lock:

@@ -67,7 +67,7 @@ class Stamps:
         self.rows[sink][row] = index + 1
 
     def missing(self, n: int, start: int) -> dict[int, list[str]]:
-        """Rows among the first `n` (items `start`...) whose sinks lack their item's stamp."""
+        """Rows among the first `n` (stamp keys `start`...) whose sinks lack their item's."""
         want = np.arange(start + 1, start + n + 1)
         out: dict[int, list[str]] = {}
         for sink, a in self.rows.items():
@@ -81,16 +81,17 @@ def settle(
     names: list[str],
     failures: list[ItemFailure],
     stamps: Iterable[Stamps],
+    key: int = 0,
 ) -> tuple[np.ndarray, list[ItemFailure]]:
     """The batch's `ok` rows and its failures, sorted: a row that did not fail but whose sinks
-    were not all written by its own item fails as `unwritten`."""
+    were not all written by its own item (stamped `key + index`) fails as `unwritten`."""
     n = len(names)
     ok = np.ones(n, dtype=bool)
     for f in failures:
         ok[f.index - start] = False
     missing: dict[int, list[str]] = {}
     for s in stamps:
-        for row, sinks in s.missing(n, start).items():
+        for row, sinks in s.missing(n, key + start).items():
             missing.setdefault(row, []).extend(sinks)
     more = [
         ItemFailure(

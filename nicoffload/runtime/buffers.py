@@ -43,12 +43,21 @@ class SlotRing:
 
     def __init__(self, specs: dict[str, TensorSpec], batch: int, count: int) -> None:
         self._free: queue.Queue[BatchSlot] = queue.Queue()
+        self._all: list[BatchSlot] = []
         for i in range(count):
             arrays = {
                 k: np.zeros((batch, *s.shape), dtype=s.dtype) for k, s in specs.items() if s.static
             }
             ragged = {k: [None] * batch for k, s in specs.items() if not s.static}
-            self._free.put(BatchSlot(i, arrays, ragged, Stamps([*arrays, *ragged], batch)))
+            self._all.append(BatchSlot(i, arrays, ragged, Stamps([*arrays, *ragged], batch)))
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free again: between calls, when no batch is in flight (a call that was
+        abandoned did not give back the slots of the batches it never yielded)."""
+        self._free = queue.Queue()
+        for slot in self._all:
+            self._free.put(slot)
 
     def take(self, timeout: float | None = None) -> BatchSlot:
         slot = self._free.get(timeout=timeout)

@@ -50,6 +50,7 @@ class _Open:
     gpu: GpuRows | None = None  # the GPU stage's input rows, when the plan ends on the GPU
     ok: np.ndarray | None = None  # set once every row is settled (`Executor._settle`)
     taken: int = 0  # the slot's `taken` when this batch took it
+    key: int = 0  # added to an item's index in its row stamps: the call's own
 
     def __post_init__(self) -> None:
         self.taken = self.slot.taken
@@ -89,6 +90,17 @@ def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePl
                 "with a topology without it"
             )
     return lead, stages, tail
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put unless the call stops first (then False): no thread of an ended call blocks."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class Executor:
@@ -142,6 +154,7 @@ class Executor:
                 self._in_place.setdefault(ref, n)
         # batches in the GPU stage still hold their slot: room for them too
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
+        self._calls = 0  # the streams run so far
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self.taken_back = 0  # how many items ran the DPU stage here instead
 
@@ -183,9 +196,9 @@ class Executor:
                     slot.arrays[name][row] = values[ref]
             else:
                 slot.ragged[name][row] = np.array(values[ref], copy=True)
-            slot.stamps.wrote(name, row, task.index)
+            slot.stamps.wrote(name, row, task.batch.key + task.index)
         if self.gpu is not None and task.batch.gpu is not None:
-            self.gpu.collect(task.batch.gpu, row, values, written, task.index)
+            self.gpu.collect(task.batch.gpu, row, values, written, task.batch.key + task.index)
 
     def stream(self, items: Iterable[Item]) -> Iterator[Batch]:
         """Process `items`; yield finished batches in order. A worker's crash is re-raised here."""
@@ -194,10 +207,17 @@ class Executor:
         ready: dict[int, _Open] = {}
         cond = threading.Condition()
         failure: list[BaseException] = []
+        theirs: list[BaseException] = []  # raised by the items iterator
         total: list[int] = []  # the number of batches, once the feeder has seen the end
         admitted = threading.Event()  # the feeder has admitted every item
         stop = threading.Event()
         front = self.front
+        # A call starts with every slot free (an abandoned call's batches held some), and
+        # stamps rows with keys of its own: a straggler of an earlier call cannot pass for one
+        # of this call's items.
+        self._calls += 1
+        self._ring.reset()
+        key = self._calls << 32
 
         def fail(exc: BaseException) -> None:
             with cond:
@@ -239,7 +259,8 @@ class Executor:
             # the host stages read the DPU stage's outputs and the pipeline inputs it did not
             # take (a text branch beside an image branch)
             task.values, task.route, task.release = task.values | values, self.host, release
-            work.put(task)
+            if not _put(work, task, stop):
+                release()
 
         def on_host(tasks: list[_Task], why: str) -> None:
             """Run `tasks`' DPU stage here instead: the agent died, drains, or skipped them."""
@@ -247,7 +268,7 @@ class Executor:
             self.taken_back += len(tasks)
             for task in tasks:
                 task.route = self.fallback
-                work.put(task)
+                _put(work, task, stop)
 
         def take_back(why: str) -> None:
             assert front is not None
@@ -257,7 +278,10 @@ class Executor:
             assert front is not None
             try:
                 front.receive(
-                    lambda: admitted.is_set() and not front.pending, on_row, take_back, on_host
+                    lambda: stop.is_set() or (admitted.is_set() and not front.pending),
+                    on_row,
+                    take_back,
+                    on_host,
                 )
             except BaseException as exc:
                 fail(exc)
@@ -265,12 +289,12 @@ class Executor:
         def reader() -> None:
             try:
                 for it in items:
-                    if stop.is_set():
-                        break
-                    source.put(it)
+                    if not _put(source, it, stop):
+                        return
             except BaseException as exc:
+                theirs.append(exc)  # the caller's own iterator: re-raised as it is
                 fail(exc)
-            source.put(_END)
+            _put(source, _END, stop)
 
         def route(task: _Task) -> None:
             if front is not None and front.accepting:
@@ -284,7 +308,7 @@ class Executor:
                 on_host([task], front.dead or front.refusing or "the agent is gone")
                 return
             task.route = self.fallback
-            work.put(task)
+            _put(work, task, stop)
 
         def close(b: _Open) -> None:
             finish(b)
@@ -305,7 +329,10 @@ class Executor:
                 if it is _END:
                     break
                 if current is None:
-                    current = _Open(self._ring.take(), batch_no, index)
+                    slot = self._take_slot(stop)
+                    if slot is None:
+                        break
+                    current = _Open(slot, batch_no, index, key=key)
                     if self.gpu is not None:
                         current.gpu = self.gpu.rows(self.batch_size)
                     batch_no += 1
@@ -331,7 +358,10 @@ class Executor:
             threading.Thread(target=worker, name=f"nicoffload-worker-{i}", daemon=True)
             for i in range(self.workers)
         ]
-        threads += [threading.Thread(target=f, daemon=True) for f in (reader, feeder)]
+        threads += [
+            threading.Thread(target=reader, name="nicoffload-reader", daemon=True),
+            threading.Thread(target=feeder, name="nicoffload-feeder", daemon=True),
+        ]
         if front is not None:
             threads.append(
                 threading.Thread(target=receiver, name="nicoffload-receiver", daemon=True)
@@ -351,6 +381,8 @@ class Executor:
                         if stop.is_set():
                             return
                         cond.wait(timeout=0.1)
+                    if failure and failure[0] in theirs:
+                        raise failure[0]
                     if failure:
                         raise SystemFailure(
                             f"runtime: a worker failed: {failure[0]!r}"
@@ -389,19 +421,38 @@ class Executor:
             if gpu_run is not None:
                 gpu_run.close()  # joins the GPU stage's threads
             admitted.set()
-            for q in (work, source):
-                while True:
-                    try:
-                        q.get_nowait()
-                    except queue.Empty:
-                        break
-            for _ in range(self.workers):
+            self._end_call(threads, work, source)
+
+    def _take_slot(self, stop: threading.Event) -> BatchSlot | None:
+        while not stop.is_set():
+            try:
+                return self._ring.take(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def _end_call(self, threads: list[threading.Thread], work: queue.Queue, source: queue.Queue):
+        """After a call, finished or abandoned: its threads end (they see `stop`), the work it
+        queued is dropped with the receiver slots it holds given back, and the agent's items
+        still pending are forgotten (a late result for one is then ignored)."""
+        for q in (work, source):
+            while True:
                 try:
-                    work.put_nowait(_END)
-                except queue.Full:
+                    task = q.get_nowait()
+                except queue.Empty:
                     break
-            for t in threads[: self.workers]:
+                if isinstance(task, _Task) and task.release:
+                    task.release()
+        for _ in range(self.workers):
+            try:
+                work.put_nowait(_END)
+            except queue.Full:
+                break
+        for t in threads:
+            if t.name != "nicoffload-reader":  # it may wait inside the caller's iterator
                 t.join(timeout=5.0)
+        if self.front is not None:
+            self.front.forget()
 
     @staticmethod
     def _settle(b: _Open) -> None:
@@ -409,7 +460,7 @@ class Executor:
         was not written into every sink by its own item fails as unwritten (`batch.settle`)."""
         b.check_slot("before its rows were settled")
         stamps = [b.slot.stamps] + ([b.gpu.stamps] if b.gpu is not None else [])
-        b.ok, b.failures = settle(b.start, b.names, b.failures, stamps)
+        b.ok, b.failures = settle(b.start, b.names, b.failures, stamps, b.key)
 
     def _gpu_batch(self, b: _Open, gb: Any) -> Batch:
         """A batch after its GPU stage: the GPU's per-item failures join the host's."""

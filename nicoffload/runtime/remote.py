@@ -128,6 +128,12 @@ class RemoteFront:
             self.pending.clear()
         return tasks
 
+    def forget(self) -> None:
+        """A call ended (or was abandoned): its unclaimed items are dropped, and a result the
+        agent still sends for one is ignored (its request id is no longer pending)."""
+        with self.lock:
+            self.pending.clear()
+
     def receive(
         self,
         finished: Callable[[], bool],

@@ -137,3 +137,46 @@ def test_the_agent_dying_between_calls_fails_the_next_call_over_to_the_host(
         assert second.ok.all()
         assert second.stats.failover is not None and "50 items" in second.stats.failover
         np.testing.assert_array_equal(second.outputs["pixels"], host_outputs[30:80])
+
+
+@pytest.mark.parametrize("placement", ["split", "all-host"])
+def test_a_stream_abandoned_after_its_first_batch_leaves_the_next_calls_whole(
+    placement, agent, images, host_outputs
+):
+    plan = split_plan() if placement == "split" else single_device_plan(PIPELINE, "cpu")
+    with nicoffload.open(
+        PIPELINE, plan, topology_for(agent), token_file=agent.token_file, workers=2
+    ) as session:
+        for _ in range(3):
+            for _batch in session.stream(images * 3):
+                break  # the rest of this call is abandoned mid-way
+            result = session.run(images[:30])
+            assert result.ok.all() and result.names == [str(i) for i in range(30)]
+            np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[:30])
+
+
+def test_a_stream_left_suspended_ends_when_its_thread_makes_another_call(agent, images):
+    with open_split(agent) as session:
+        held = session.stream(images)
+        next(held)
+        result = session.run(images[:5])  # was a deadlock: the held stream kept the lock
+        assert result.ok.all()
+        with pytest.raises(StopIteration):
+            next(held)
+
+
+def test_an_error_of_the_callers_iterator_comes_back_as_it_is_and_the_session_goes_on(
+    agent, images, host_outputs
+):
+    class Broke(Exception):
+        pass
+
+    def items():
+        yield from images[:20]
+        raise Broke("the source broke")
+
+    with open_split(agent) as session:
+        with pytest.raises(Broke, match="the source broke"):
+            session.run(items())
+        result = session.run(images[:10])
+        np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[:10])
