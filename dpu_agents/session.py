@@ -24,9 +24,10 @@ from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.stagebuild import Built
 from nicoffload.errors import AgentError, ItemError, TransportError
-from nicoffload.runtime.batch import UNWRITTEN
+from nicoffload.runtime.batch import SLOT_OVERFLOW, UNWRITTEN
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.transport import Sender
+from nicoffload.transport.slots import ALIGN
 
 log = logging.getLogger("dpu_agents.session")
 BATCHES_IN_FLIGHT = 3  # batch slots per session: one filling, one running, one being sent
@@ -343,11 +344,41 @@ class Session:
                 self._on_credit(n)
             self.metrics.depth("workers", self.pool.depth())
 
+    def _fit(self, batch: _Batch, n: int) -> None:
+        """Rows whose outputs of varying size do not fit the receiver's slot beside the rest of
+        the batch fail as SLOT_OVERFLOW, the largest first, until the batch fits: the host
+        runs those items itself, and the stage goes on (one outsized image broke the session
+        for every later item)."""
+        slot, room = batch.slot, getattr(self.sender, "slot_bytes", None)
+        if room is None or not slot.ragged:
+            return
+
+        def aligned(a: np.ndarray) -> int:
+            return -(-a.nbytes // ALIGN) * ALIGN
+
+        fixed = sum(aligned(a[:n]) for a in slot.arrays.values())
+        sizes = {
+            row: sum(aligned(np.asarray(rows[row])) for rows in slot.ragged.values())
+            for row in range(n)
+            if row not in batch.failed
+        }
+        total = fixed + sum(sizes.values())
+        for row in sorted(sizes, key=sizes.__getitem__, reverse=True):
+            if total <= room:
+                break
+            batch.failed[row] = (
+                SLOT_OVERFLOW,
+                f"its outputs ({sizes[row]} bytes) do not fit the receiver's "
+                f"{room}-byte slot beside its batch",
+            )
+            total -= sizes[row]
+
     def _send(self, batch: _Batch, n: int) -> None:
         slot = batch.slot
         for row, sinks in slot.stamps.missing(n, 0).items():
             if row not in batch.failed:  # a row no kernel wrote is never sent as a result
                 batch.failed[row] = (UNWRITTEN, f"the agent wrote no {', '.join(sinks)}")
+        self._fit(batch, n)
         ok = np.ones(n, bool)
         ok[list(batch.failed)] = False
         tensors: dict[str, np.ndarray] = {}

@@ -16,6 +16,10 @@ from typing import Any
 import numpy as np
 
 UNWRITTEN = "unwritten"  # the reason of a row that no stage wrote: a runtime fault, never ok
+# Rows the DPU agent did not run, which the host then runs itself (never item errors):
+DRAINING = "agent_draining"  # the agent refused it: it shuts down
+SLOT_OVERFLOW = "slot_overflow"  # its outputs did not fit the receiver's slot beside its batch
+ON_HOST = (DRAINING, SLOT_OVERFLOW)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 from nicoffload.errors import AgentError, DeviceError, Mark, TransportError, UserError
 from nicoffload.graph import Pipeline, Ref
 from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.runtime.batch import DRAINING, ON_HOST
 from nicoffload.runtime.loadtext import load_text
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
@@ -31,7 +32,6 @@ from nicoffload.transport.frame import MAX_PAYLOAD
 from nicoffload.transport.slots import ALIGN
 
 POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
-DRAINING = "agent_draining"  # the reason of a row the agent refused because it shuts down
 
 
 @dataclass
@@ -199,11 +199,12 @@ class RemoteFront:
             if not claimed:
                 self.receiver.release(d)
         for row, rid, task in claimed:
-            if rid in failed and failed[rid][0] == DRAINING:
-                # the agent is shutting down: it takes no more, and this item runs here
-                self.refusing = self.refusing or f"the agent is draining: {failed[rid][1]}"
+            if rid in failed and failed[rid][0] in ON_HOST:
+                reason, detail = failed[rid]
+                if reason == DRAINING:  # the agent is shutting down: it takes no more
+                    self.refusing = self.refusing or f"the agent is draining: {detail}"
                 release()
-                on_host([task], self.refusing)
+                on_host([task], self.refusing or f"an item did not fit the transfer: {detail}")
                 continue
             if rid in failed:
                 on_row(task, None, tuple(failed[rid]), release)

@@ -180,3 +180,43 @@ def test_an_error_of_the_callers_iterator_comes_back_as_it_is_and_the_session_go
             session.run(items())
         result = session.run(images[:10])
         np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[:10])
+
+
+def test_an_item_too_large_for_the_transfer_runs_on_the_host_and_the_agent_keeps_serving(
+    agent, tmp_path
+):
+    """The receiver's slots are sized from the pipeline's typical input (here 64x64), four
+    times over for tensors of varying size; a photograph decoded at full size (the resize is
+    not antialiased: no DCT scaling) does not fit one."""
+    import simplejpeg
+
+    path = tmp_path / "small.yaml"
+    path.write_text(
+        """
+name: small-typical
+inputs: {image: {kind: bytes, format: jpeg, typical: {height: 64, width: 64, bytes: 4000}}}
+nodes:
+  - {name: decode, op: decode_image, in: image}
+  - {name: resize, op: resize, in: decode, params: {size: [32, 32], antialias: false}}
+outputs: {small: resize}
+batch: {max_size: 4, max_wait_ms: 2}
+"""
+    )
+    pipeline = load_pipeline(path)
+    rng = np.random.default_rng(1)
+    little = simplejpeg.encode_jpeg(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    large = simplejpeg.encode_jpeg(rng.integers(0, 255, (1200, 1600, 3), dtype=np.uint8))
+    placement = {"decode": "dpu0", "resize": "cpu"}
+    stages, transfers = stages_for(pipeline, placement)
+    plan = Plan(pipeline.name, placement, stages, transfers, topology="test")
+    want = nicoffload.run(pipeline, [little, large, little], plan=single_device_plan(pipeline))
+    with nicoffload.open(
+        pipeline, plan, topology_for(agent), token_file=agent.token_file
+    ) as session:
+        first = session.run([little, large, little])
+        assert first.ok.all()
+        np.testing.assert_array_equal(first.outputs["small"], want.outputs["small"])
+        assert "did not fit" in first.stats.failover and "1 items" in first.stats.failover
+        second = session.run([little] * 6)  # the agent still serves the session
+        assert second.ok.all() and second.stats.failover is None
+        assert session.front.transfer.items == 6
