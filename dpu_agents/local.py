@@ -46,7 +46,9 @@ class LocalAgent:
             cmd += ["--metrics", metrics]
         if config:
             cmd += ["--config", str(config)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        # it stops by itself if this process dies without stopping it (server.PARENT_ENV)
+        env = {**os.environ, "NICOFFLOAD_AGENT_PARENT": str(os.getpid())}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         try:
             line = self._first_line(start_timeout)
             doc = json.loads(line)

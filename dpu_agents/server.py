@@ -359,6 +359,25 @@ def pin_cores(n: int) -> list[int]:
     return allowed[:n]
 
 
+PARENT_ENV = "NICOFFLOAD_AGENT_PARENT"  # the pid of the host that started a local agent
+
+
+def _stop_with_parent(agent: Agent) -> None:
+    """A local agent (the emulated DPU `LocalAgent` starts) stops when the host that started
+    it is gone, however it went (SIGKILL too): it would serve no one, for ever."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        log_event(log, logging.WARNING, "parent_gone", parent=int(parent))
+        agent.request_stop()
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -385,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.request_stop())
+    _stop_with_parent(agent)
     line = {"event": "listening", "address": agent.address, "cores": cores}
     if agent.metrics_address:
         line["metrics"] = agent.metrics_address

@@ -220,3 +220,39 @@ batch: {max_size: 4, max_wait_ms: 2}
         second = session.run([little] * 6)  # the agent still serves the session
         assert second.ok.all() and second.stats.failover is None
         assert session.front.transfer.items == 6
+
+
+def test_a_local_agent_stops_when_the_host_that_started_it_is_killed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = """
+import os, signal, sys
+from dpu_agents import auth
+from dpu_agents.local import LocalAgent
+auth.write_token(sys.argv[1])
+agent = LocalAgent(sys.argv[1], cores=1)
+print(agent.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no stop(), no cleanup: as a host killed outright
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "t.token")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # it has exited (and init reaped it)
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ", 1)[1].startswith("Z"):
+                return  # exited, not yet reaped
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError("the orphaned agent was still running 20 s after its host died")
