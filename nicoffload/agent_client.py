@@ -133,6 +133,11 @@ class AgentClient:
     def alive(self) -> bool:
         return self._error is None and not self._closed
 
+    @property
+    def failed(self) -> AgentError | None:
+        """Why the agent was found dead (it closed, erred or stayed silent), else None."""
+        return self._error
+
     def _die(self, why: str) -> None:
         with self._cond:
             if self._error is None:

@@ -366,6 +366,10 @@ def _reach(
             agent = stack.enter_context(LocalAgent(token_file, cores=device.cores, config=config))
         except AgentError as exc:
             raise _Died(str(exc)) from exc
+        reached: list[Any] = []
+        # an agent found dead (or hung: SIGSTOP) is killed at once, not asked to drain, which
+        # would wait its whole stop timeout for an answer that cannot come
+        stack.callback(lambda: reached and reached[0].failed is not None and agent.kill())
         address = agent.address
         stack.enter_context(cores_apart(agent.cores))
     else:
@@ -386,6 +390,8 @@ def _reach(
                 Mark(str(token_file), 1, 1),
             ) from None
         raise DeviceError(f"{device.id}: cannot reach the DPU agent at {address}: {exc}") from exc
+    if device.emulated:
+        reached.append(client)
     with client:
         yield client
 
