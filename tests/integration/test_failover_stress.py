@@ -5,28 +5,25 @@ bit for bit equal to the all-host run, and say why it failed over whenever it di
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import signal
 
 import pytest
 from agent_kill import signal_local_agents_after
+from split_plans import SPLIT, plan_of
 
 import nicoffload
 from nicoffload.graph import load_pipeline
-from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.planner.plan import Plan, single_device_plan
 from nicoffload.samples import sample_images
 from nicoffload.topology import local_topology
 
 PIPELINE = load_pipeline("pipelines/resnet50.yaml")
-SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
 TRIALS = 20
 
 
 def split_plan(transport: str) -> Plan:
-    stages, transfers = stages_for(PIPELINE, SPLIT)
-    transfers = tuple(dataclasses.replace(t, transport=transport) for t in transfers)
-    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="local")
+    return plan_of(PIPELINE, SPLIT, "local", transport)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 from equivalence import assert_same_run, corpus, pinned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from split_plans import agent_topology
 
 import nicoffload
 from dpu_agents import auth
@@ -23,7 +24,6 @@ from dpu_agents.local import LocalAgent
 from nicoffload.errors import PlanError
 from nicoffload.planner import plan_for
 from nicoffload.planner.plan import single_device_plan
-from nicoffload.topology import Device, Link, Topology
 
 SHIPPED = ["pipelines/resnet50.yaml", "pipelines/bert.yaml", "pipelines/clip.yaml"]
 
@@ -37,11 +37,7 @@ def agent(tmp_path_factory):
         yield a
 
 
-def topology_for(agent: LocalAgent) -> Topology:
-    dpu = Device("dpu0", "dpu", 1, 1.0, address=agent.address)
-    cpu = Device("cpu", "cpu", 1, 1.0)
-    link = Link("dpu0", "cpu", "tcp", 1e9, 0.0, 0.0)
-    return Topology("test", (cpu, dpu), (link,), ingress="dpu0", egress="cpu", source="test")
+topology_for = agent_topology
 
 
 def run(pipeline, items, plan, agent):

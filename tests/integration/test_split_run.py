@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from agent_kill import run_killing_at
+from split_plans import SPLIT, agent_topology, plan_of
 
 import nicoffload
 from dpu_agents import auth
@@ -16,22 +17,15 @@ from dpu_agents.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, stages_for
 from nicoffload.samples import sample_images
-from nicoffload.topology import Device, Link, Topology
 
 PIPELINE = load_pipeline("pipelines/resnet50.yaml")
-SPLIT = {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
 
 
 def split_plan() -> Plan:
-    stages, transfers = stages_for(PIPELINE, SPLIT)
-    return Plan(PIPELINE.name, dict(SPLIT), stages, transfers, topology="test")
+    return plan_of(PIPELINE, SPLIT)
 
 
-def topology_for(agent: LocalAgent) -> Topology:
-    dpu = Device("dpu0", "dpu", 1, 1.0, address=agent.address)
-    cpu = Device("cpu", "cpu", 1, 1.0)
-    link = Link("dpu0", "cpu", "tcp", 1e9, 0.0, 0.0)
-    return Topology("test", (cpu, dpu), (link,), ingress="dpu0", egress="cpu", source="test")
+topology_for = agent_topology
 
 
 @pytest.fixture(scope="module")
