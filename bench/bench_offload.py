@@ -1,0 +1,147 @@
+"""Does offload pay on this machine? Every placement of one corpus, side by side in one run.
+
+For each placement (all on the host, decode on the DPU, decode+resize+crop on the DPU, all on
+the DPU, and the planner's throughput and host-cpu plans; the GPU ones where a GPU is), a
+session is opened once (its set-up reported on its own), warmed with one call, then timed over
+`--rounds` calls of the whole corpus: items/s, host CPU ms/item (this process), agent CPU
+ms/item (the local agent's process, which emulates the DPU on its own cores), and what the plan
+predicted beside each. Ratios are against the all-host placement of the same run.
+
+    python bench/bench_offload.py [--items 256] [--rounds 2] [--json] [--out FILE.json]
+
+The corpus is ImageNet-size JPEGs (the pipeline's `typical` size, which the planner prices),
+from bench_prediction.typical_jpegs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_prediction import loadavg, typical_jpegs
+
+import nicoffload
+from nicoffload.planner import plan_for
+from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.topology import local_topology
+
+PIPELINE = "pipelines/resnet50.yaml"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def agent_cpu_s() -> float:
+    """CPU seconds of this process's local agents (children running dpu_agents.server)."""
+    total = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"dpu_agents.server" not in cmd:
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / TICK
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return total
+
+
+def placements(pipeline, topology) -> dict[str, Plan]:
+    def pinned(place: dict[str, str]) -> Plan:
+        stages, transfers = stages_for(pipeline, place)
+        return Plan(pipeline.name, place, stages, transfers, topology="local")
+
+    nodes = [n.name for n in pipeline.nodes]
+    out = {"all host": single_device_plan(pipeline, "cpu")}
+    out["decode on dpu"] = pinned({n: "dpu0" if n == "decode" else "cpu" for n in nodes})
+    out["decode+resize+crop on dpu"] = pinned({n: "cpu" if n == "norm" else "dpu0" for n in nodes})
+    out["all dpu"] = pinned({n: "dpu0" for n in nodes})
+    if "gpu0" in topology.ids:
+        out["all gpu"] = pinned({n: "gpu0" for n in nodes})
+        out["dpu -> gpu"] = pinned({n: "gpu0" if n == "norm" else "dpu0" for n in nodes})
+    for objective in ("throughput", "host-cpu"):
+        out[f"plan: {objective}"] = plan_for(pipeline, topology, objective=objective, runnable=True)
+    return out
+
+
+def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) -> dict:
+    with nicoffload.open(pipeline, plan, topology) as session:
+        session.run(images[: max(64, len(images) // 4)])  # warm: kernels, caches, the agent
+        cpu0, agent0, t0 = time.process_time(), agent_cpu_s(), time.perf_counter()
+        items = 0
+        for _ in range(rounds):
+            result = session.run(images)
+            items += len(result.names)
+            assert result.ok.all(), result.stats.errors_by_reason
+        wall = time.perf_counter() - t0
+        host, agent = time.process_time() - cpu0, agent_cpu_s() - agent0
+        pred = plan.predicted
+        return {
+            "placement": dict(plan.placement),
+            "setup_s": round(session.setup_s, 3),
+            "items_per_s": round(items / wall, 1),
+            "host_cpu_ms_per_item": round(host * 1e3 / items, 3),
+            "agent_cpu_ms_per_item": round(agent * 1e3 / items, 3),
+            "predicted_items_per_s": None if pred is None else round(pred.throughput_per_s, 1),
+            "predicted_host_cpu_ms_per_item": None
+            if pred is None
+            else round(pred.host_cpu_ms_per_item, 3),
+            "failover": result.stats.failover,
+        }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--items", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--out", type=Path, help="also write the JSON document here")
+    args = ap.parse_args()
+    pipeline = nicoffload.load_pipeline(PIPELINE)
+    topology = local_topology()
+    hints = dict(pipeline.inputs["image"].hints)
+    images = typical_jpegs(args.items, hints.get("height", 375), hints.get("width", 500))
+    doc = {
+        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or '?'})",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "load_before": loadavg(),
+        "placements": {},
+    }
+    for name, plan in placements(pipeline, topology).items():
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        doc["placements"][name] = measure(pipeline, plan, topology, images, args.rounds)
+    doc["load_after"] = loadavg()
+    base = doc["placements"]["all host"]
+    for row in doc["placements"].values():
+        row["throughput_vs_all_host"] = round(row["items_per_s"] / base["items_per_s"], 3)
+        row["host_cpu_vs_all_host"] = round(
+            row["host_cpu_ms_per_item"] / base["host_cpu_ms_per_item"], 3
+        )
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{doc['machine']}, {doc['date']}, load {doc['load_before']} -> {doc['load_after']}")
+    head = f"{'placement':28} {'items/s':>8} {'pred':>7} {'x host':>7} {'host ms':>8} {'pred':>6} {'x host':>7} {'agent ms':>8} {'setup s':>7}"
+    print(head)
+    for name, r in doc["placements"].items():
+        print(
+            f"{name:28} {r['items_per_s']:8.1f} {r['predicted_items_per_s'] or 0:7.0f} "
+            f"{r['throughput_vs_all_host']:7.2f} {r['host_cpu_ms_per_item']:8.3f} "
+            f"{r['predicted_host_cpu_ms_per_item'] or 0:6.3f} {r['host_cpu_vs_all_host']:7.2f} "
+            f"{r['agent_cpu_ms_per_item']:8.3f} {r['setup_s']:7.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
