@@ -29,7 +29,7 @@ from nicoffload.runtime.batch import Batch, ItemFailure, settle
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
-from nicoffload.runtime.stage import Stage, StepTime
+from nicoffload.runtime.stage import Stage, StepTime, split_stages
 
 __all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
 
@@ -74,22 +74,6 @@ class _Task:
     route: tuple[Stage, ...] = ()
     release: Callable[[], None] | None = None
     rid: int = 0  # its request id at the DPU agent, once submitted
-
-
-def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:
-    """A plan as [a leading DPU stage], host CPU stages, [a trailing GPU stage]: the shapes this
-    runtime runs; DeviceError for any other."""
-    stages = list(plan.stages)
-    lead = stages.pop(0) if stages[0].kind == "dpu" else None
-    tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
-    for s in stages:
-        if s.kind != "cpu":
-            raise DeviceError(
-                f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
-                "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
-                "with a topology without it"
-            )
-    return lead, stages, tail
 
 
 def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:

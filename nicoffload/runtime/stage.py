@@ -16,7 +16,7 @@ from typing import Any
 from nicoffload import ops
 from nicoffload.errors import DeviceError
 from nicoffload.graph import Node, Pipeline, TensorSpec
-from nicoffload.planner.plan import StagePlan
+from nicoffload.planner.plan import Plan, StagePlan
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,19 @@ class Stage:
                     step_ns[i] += wall[i]
                     step_n[i] += calls[i]
         return written
+
+
+def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:
+    """A plan as [a leading DPU stage], host CPU stages, [a trailing GPU stage]: the shapes this
+    runtime runs; DeviceError for any other."""
+    stages = list(plan.stages)
+    lead = stages.pop(0) if stages[0].kind == "dpu" else None
+    tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
+    for s in stages:
+        if s.kind != "cpu":
+            raise DeviceError(
+                f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
+                "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
+                "with a topology without it"
+            )
+    return lead, stages, tail
