@@ -7,7 +7,9 @@ which is the runtime's backpressure.
 from __future__ import annotations
 
 import queue
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -66,3 +68,15 @@ class SlotRing:
 
     def give(self, slot: BatchSlot) -> None:
         self._free.put(slot)
+
+
+def put_unless(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put `item` unless `stop` is set first (then False): a thread of a run that has ended
+    never stays blocked on a full queue."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False

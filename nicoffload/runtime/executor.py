@@ -26,7 +26,7 @@ from nicoffload.errors import AgentError, DeviceError, ItemError, SystemFailure
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, ItemFailure, settle
-from nicoffload.runtime.buffers import BatchSlot, SlotRing
+from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
 from nicoffload.runtime.stage import Stage, StepTime, split_stages
@@ -74,17 +74,6 @@ class _Task:
     route: tuple[Stage, ...] = ()
     release: Callable[[], None] | None = None
     rid: int = 0  # its request id at the DPU agent, once submitted
-
-
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    """Put unless the call stops first (then False): no thread of an ended call blocks."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
 
 
 class Executor:
@@ -243,7 +232,7 @@ class Executor:
             # the host stages read the DPU stage's outputs and the pipeline inputs it did not
             # take (a text branch beside an image branch)
             task.values, task.route, task.release = task.values | values, self.host, release
-            if not _put(work, task, stop):
+            if not put_unless(work, task, stop):
                 release()
 
         def on_host(tasks: list[_Task], why: str) -> None:
@@ -252,7 +241,7 @@ class Executor:
             self.taken_back += len(tasks)
             for task in tasks:
                 task.route = self.fallback
-                _put(work, task, stop)
+                put_unless(work, task, stop)
 
         def take_back(why: str) -> None:
             assert front is not None
@@ -273,12 +262,12 @@ class Executor:
         def reader() -> None:
             try:
                 for it in items:
-                    if not _put(source, it, stop):
+                    if not put_unless(source, it, stop):
                         return
             except BaseException as exc:
                 theirs.append(exc)  # the caller's own iterator: re-raised as it is
                 fail(exc)
-            _put(source, _END, stop)
+            put_unless(source, _END, stop)
 
         def route(task: _Task) -> None:
             if front is not None and front.accepting:
@@ -292,7 +281,7 @@ class Executor:
                 on_host([task], front.dead or front.refusing or "the agent is gone")
                 return
             task.route = self.fallback
-            _put(work, task, stop)
+            put_unless(work, task, stop)
 
         def close(b: _Open) -> None:
             finish(b)

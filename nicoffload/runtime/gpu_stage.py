@@ -25,6 +25,7 @@ import numpy as np
 from nicoffload.errors import ItemError
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import StagePlan
+from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.stage import bind_steps
 
 
@@ -337,13 +338,7 @@ class GpuStage:
         done: queue.Queue[Any] = queue.Queue(maxsize=2)
 
         def put(q: queue.Queue[Any], item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            return put_unless(q, item, stop)
 
         lent: list[_Streams] = []
 
