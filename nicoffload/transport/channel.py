@@ -269,8 +269,10 @@ class Channel:
 
 
 def _send_all(sock: socket.socket, views: list[memoryview], flags: int, mac: Any = None) -> None:
-    """sendmsg until all is sent. With `mac`, each piece (at most MAC_PIECE bytes) is hashed
-    just before it goes, while it is in cache, and the tag goes last."""
+    """sendmsg until all is sent. With `mac`, pieces (at most MAC_PIECE bytes each) are hashed
+    at most MAC_PIECE bytes ahead of what went, while they are in cache, and the tag goes last:
+    a frame of up to MAC_PIECE bytes goes whole, tag included, in one sendmsg (a receiver never
+    waits mid-frame on a sender that was descheduled between pieces)."""
     views = [v.cast("B") for v in views if v.nbytes]
     hashed = len(views)  # views before this one are in the MAC (all of them: no MAC)
     if mac is not None:
@@ -279,9 +281,11 @@ def _send_all(sock: socket.socket, views: list[memoryview], flags: int, mac: Any
         hashed = 0
     i = 0
     while i < len(views):
-        if hashed <= i:
+        ahead = sum(len(v) for v in views[i:hashed])
+        while hashed < len(views) and (hashed <= i or ahead + len(views[hashed]) <= MAC_PIECE):
             if hashed < len(views) - 1:
                 mac.update(views[hashed])
+                ahead += len(views[hashed])
             else:
                 views[hashed] = memoryview(mac.digest())
             hashed += 1

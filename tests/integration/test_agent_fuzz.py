@@ -99,6 +99,7 @@ def agent(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     with open(folder / "agent.log", "w") as log:
         a = LocalAgent(token_file, cores=1, config=config, stderr=log.fileno())
+    a.log_path = folder / "agent.log"  # type: ignore[attr-defined]
     yield a
     assert a.alive(), "the agent died"
     assert a.stop(timeout=15) == 0
@@ -115,6 +116,7 @@ class GoodClient(threading.Thread):
         self.sent = self.checked = 0
         self.error: BaseException | None = None
         self.baseline = (0, 0)  # the agent's descriptors and threads while this one is served
+        self.port = 0  # its control connection's local port: the agent logs it as the peer
 
     def run(self) -> None:
         try:
@@ -122,6 +124,7 @@ class GoodClient(threading.Thread):
                 listen("tcp://127.0.0.1:0", slots=4, slot_bytes=1 << 20) as rx,
                 AgentClient(self.address, self.token, timeout=10) as client,
             ):
+                self.port = client._ch.sock.getsockname()[1]
                 pipeline = load_pipeline(BERT)
                 plan = single_device_plan(pipeline, "dpu0")
                 client.load(
@@ -161,7 +164,10 @@ def good_client(agent: LocalAgent, token_file: Path) -> Iterator[GoodClient]:
     yield c
     c.stop.set()
     c.join(30)
-    assert c.error is None, f"the well-behaved client failed: {c.error!r}"
+    if c.error is not None:  # what the agent said about this client
+        lines = agent.log_path.read_text().splitlines()
+        mine = [line for line in lines if f":{c.port}" in line][-5:]
+        pytest.fail(f"the well-behaved client failed: {c.error!r}; the agent's log: {mine}")
     assert c.checked == c.sent > 8
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import zlib
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from dpu_agents import auth
 from nicoffload.errors import FrameError
-from nicoffload.transport.channel import Channel
+from nicoffload.transport.channel import MAC_PIECE, Channel
 from nicoffload.transport.frame import (
     CHECKED_SIZE,
     FIELD_OFFSETS,
@@ -103,6 +104,52 @@ def test_secured_frames_round_trip_with_their_payload() -> None:
         np.testing.assert_array_equal(payload, PAYLOAD)
     assert ch.read_head(0) is None
     ch.close()
+
+
+class CountingSocket:
+    """A socket that counts its sendmsg calls (a frame split over several can leave the
+    receiver waiting mid-frame on a sender that was descheduled between them)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.calls = sock, 0
+
+    def sendmsg(self, *args):
+        self.calls += 1
+        return self.sock.sendmsg(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("size", [1, 1000, MAC_PIECE - 200, 3 * MAC_PIECE + 17])
+def test_a_frame_goes_in_as_few_writes_as_its_pieces_and_round_trips(size: int) -> None:
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    head = encode(
+        Header(
+            Kind.DATA, request_id=3, batch_size=1, payload_len=size, dtype=DType.UINT8,
+            shape=(size,),
+        ),
+        {"tensors": [["x", 1, [size], 0]]},
+    )
+    a, b = socket.socketpair()
+    counting = CountingSocket(a)
+    ch = Channel(a, "A")
+    ch.sock = counting
+    ch.secure(A_KEY, B_KEY)
+    rx = Channel(b, "B", io_timeout=10)
+    rx.secure(B_KEY, A_KEY)
+    sender = threading.Thread(target=ch.send, args=(head, [payload]))
+    sender.start()
+    header, _, got = read_frame(rx)
+    sender.join(10)
+    ch.close()
+    rx.close()
+    assert header.request_id == 3
+    np.testing.assert_array_equal(got, payload)
+    pieces = -(-(len(head) + size) // MAC_PIECE)
+    assert counting.calls <= pieces + 1, (counting.calls, pieces)
+    if len(head) + size <= MAC_PIECE:
+        assert counting.calls == 1  # the head, the payload and the tag together
 
 
 def test_each_frame_is_followed_by_its_tag() -> None:
