@@ -38,6 +38,7 @@ class RunStats:
     failover: str | None = None  # why the DPU agent's items were taken back to the host
     batches: int = 0
     setup_s: float = 0.0  # opening the session (agent start, LOAD, binding): not per item
+    predicted: dict[str, float] | None = None  # the plan's (Predicted), where it has one
 
     @property
     def throughput_per_s(self) -> float:
@@ -69,6 +70,7 @@ class RunStats:
             "wall_s": round(self.wall_s, 4),
             "batches": self.batches,
             "setup_s": round(self.setup_s, 4),
+            "predicted": self.predicted,
         }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -122,6 +123,8 @@ class Session:
         ex.begin_call()
         stats.setup_s = self.setup_s
         stats.placement = dict(self.plan.placement)
+        if self.plan.predicted is not None:
+            stats.predicted = dataclasses.asdict(self.plan.predicted)
         cpu0, t0 = time.process_time(), time.perf_counter()
         reasons: Counter[str] = Counter()
 

@@ -27,11 +27,27 @@ def summary_table(stats: RunStats) -> Table:
     t.add_row("errors", f"{doc['errors']}" + (f"  ({errs})" if errs else ""))
     for reason, example in doc.get("error_examples", {}).items():
         t.add_row(f"  first {reason}", example)
-    t.add_row("throughput", f"{doc['throughput_per_s']:.1f} items/s")
+    pred = doc.get("predicted") or {}
     t.add_row(
-        "latency", f"p50 {doc['latency_ms']['p50']:.2f} ms   p99 {doc['latency_ms']['p99']:.2f} ms"
+        "throughput",
+        f"{doc['throughput_per_s']:.1f} items/s"
+        + _against(pred.get("throughput_per_s"), doc["throughput_per_s"], "{:.1f} items/s"),
     )
-    t.add_row("host CPU", f"{doc['host_cpu_ms_per_item']:.3f} ms/item")
+    t.add_row(
+        "latency",
+        f"p50 {doc['latency_ms']['p50']:.2f} ms   p99 {doc['latency_ms']['p99']:.2f} ms"
+        + (
+            f"   (predicted {pred['latency_ms']:.2f} ms for an item alone; "
+            "the measured ones include queueing)"
+            if pred.get("latency_ms") is not None
+            else ""
+        ),
+    )
+    t.add_row(
+        "host CPU",
+        f"{doc['host_cpu_ms_per_item']:.3f} ms/item"
+        + _against(pred.get("host_cpu_ms_per_item"), doc["host_cpu_ms_per_item"], "{:.3f}"),
+    )
     for name, st in doc["stages"].items():
         pred, err = st.get("predicted_ms_per_item"), st.get("error_pct")
         extra = (
@@ -60,6 +76,15 @@ def summary_table(stats: RunStats) -> Table:
     if doc.get("failover"):
         t.add_row("failover", f"the DPU agent's items ran on the host: {doc['failover']}")
     return t
+
+
+def _against(predicted: float | None, measured: float, fmt: str) -> str:
+    """`   (predicted X, +N%)`: the plan's figure beside a measured one (its error against
+    the measurement), or "" when the plan has none."""
+    if predicted is None:
+        return ""
+    err = f", {100 * (predicted - measured) / measured:+.0f}%" if measured else ""
+    return f"   (predicted {fmt.format(predicted)}{err})"
 
 
 def check_token_file(token_file: Path | None) -> None:

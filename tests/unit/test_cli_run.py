@@ -246,3 +246,24 @@ def test_a_text_the_tokenizer_cannot_encode_is_that_items_error(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["errors_by_reason"] == {"tokenize_failed": 1}
     assert doc["error_examples"]["tokenize_failed"].startswith("b.txt: WordLevel error: Missing")
+
+
+def test_the_summary_puts_the_plans_prediction_beside_each_measured_figure():
+    from rich.console import Console
+
+    from nicoffload.cli.run import summary_table
+    from nicoffload.runner import RunStats
+
+    stats = RunStats(items=100, wall_s=0.5, latencies_s=[0.01] * 100, host_cpu_s=0.2)
+    stats.predicted = {"throughput_per_s": 250.0, "latency_ms": 3.5, "host_cpu_ms_per_item": 1.0}
+    console = Console(width=200, record=True)
+    console.print(summary_table(stats))
+    text = console.export_text()
+    assert "200.0 items/s   (predicted 250.0 items/s, +25%)" in text
+    assert "2.000 ms/item   (predicted 1.000, -50%)" in text
+    assert "(predicted 3.50 ms for an item alone" in text
+    assert stats.to_json()["predicted"] == stats.predicted
+    stats.predicted = None  # a plan with no prediction: the measured figures alone
+    console = Console(width=200, record=True)
+    console.print(summary_table(stats))
+    assert "predicted" not in console.export_text()
