@@ -27,6 +27,7 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, ItemFailure, settle
 from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
+from nicoffload.runtime.gpu_direct import GpuDirect
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
 from nicoffload.runtime.stage import Stage, StepTime, split_stages
@@ -128,6 +129,10 @@ class Executor:
         # batches in the GPU stage still hold their slot: room for them too
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
         self._calls = 0  # the streams run so far
+        # a plan that is one GPU stage, every output its own: batches go to it whole (gpu_direct)
+        self.direct = None
+        if self.gpu is not None and lead is None and not stages and not self.out_refs:
+            self.direct = GpuDirect(self.gpu, self.gpu_refs, self.batch_size, self.max_wait_s)
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self.taken_back = 0  # how many items ran the DPU stage here instead
 
@@ -175,6 +180,10 @@ class Executor:
 
     def stream(self, items: Iterable[Item]) -> Iterator[Batch]:
         """Process `items`; yield finished batches in order. A worker's crash is re-raised here."""
+        if self.direct is not None:
+            self._calls += 1
+            yield from self.direct.stream(items, self._calls << 32)
+            return
         work: queue.Queue[Any] = queue.Queue(maxsize=self.workers * 4)
         source: queue.Queue[Any] = queue.Queue(maxsize=self.batch_size * 2)
         ready: dict[int, _Open] = {}

@@ -55,6 +55,9 @@ class GpuBatch:
     outputs: dict[str, Any]
     failures: dict[int, ItemError]
     done: Any
+    # rows the stage's first step produced a value for (failed rows aside): a row it did not
+    # produce was never computed for its item and must not come out as ok
+    produced: np.ndarray | None = None
     _timing: list[tuple[int, Any, Any]] = field(default_factory=list, repr=False)
     _host_ms: list[tuple[int, float]] = field(default_factory=list, repr=False)
     # Every intermediate (decoded images, staged copies), held until the batch is done: memory
@@ -114,6 +117,16 @@ class _Job:
     events: list[Any] = field(default_factory=list)  # device work the kernels must wait for
     decode: Any = None  # the decoder's DecodeJob when the stage starts by decoding
     host_ms: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _produced(value: Any, n: int) -> np.ndarray:
+    """Which of a step's `n` rows hold a value: every row of an (n, ...) tensor, the non-None
+    entries of a list (a list or tensor of another length: none)."""
+    if isinstance(value, list):
+        got = np.fromiter((v is not None for v in value), bool, len(value))
+    else:
+        got = np.ones(len(value), bool)
+    return got if len(got) == n else np.zeros(n, bool)
 
 
 class _Streams:
@@ -281,11 +294,15 @@ class GpuStage:
                     e1.record(st.compute)
                     timing.append((i, e0, e1))
                 results = (result,) if len(step.writes) == 1 else result
+                if i == 0:
+                    produced = _produced(results[0], job.n)
                 values.update(zip(step.writes, results, strict=True))
             done = torch.cuda.Event()
             done.record(st.compute)
         outputs = {k: values[k] for k in self.outputs}
-        return GpuBatch(job.index, job.n, outputs, job.failed, done, timing, job.host_ms, values)
+        return GpuBatch(
+            job.index, job.n, outputs, job.failed, done, produced, timing, job.host_ms, values
+        )
 
     def _account(self, b: GpuBatch) -> None:
         b.wait()
