@@ -38,7 +38,6 @@ from gpu_extras import (
     e2e,
     landing,
     normalize_bounds,
-    nvimgcodec_bench,
     parity,
     profile,
     stage_phases,
@@ -424,9 +423,22 @@ def main() -> None:
         (out / "e2e.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc["e2e"], indent=1)[-4000:])
         return
-    if "nvimgcodec" in secs:
-        doc["nvimgcodec"] = nvimgcodec_bench(torch, data, [int(s) for s in args.sizes.split(",")])
-        (out / "nvimgcodec.json").write_text(json.dumps(doc, indent=2) + "\n")
+    if secs & {"session", "decoders"}:  # sections of their own (gpu_session.py)
+        from gpu_session import decoders, session_side_by_side
+
+        from nicoffload.samples import sample_images
+
+        if "session" in secs:
+            mixed = [b for _, b in sample_images(1024, seed=3)]
+            doc["session"] = session_side_by_side(
+                torch, data["imagenet"], args.images, args.rounds, mixed
+            )
+            print("session", json.dumps(doc["session"], indent=1), flush=True)
+            save()
+        if "decoders" in secs:
+            sizes = [int(s) for s in args.sizes.split(",")]
+            doc["decoders"] = decoders(torch, data["imagenet"], sizes)
+            save()
         return
     ceil = ceilings(torch)
     doc["ceilings"] = ceil

@@ -145,43 +145,6 @@ def jpeg_size(data: bytes) -> tuple[int, int]:
     return h, w
 
 
-def nvimgcodec_bench(torch, data: dict[str, list[bytes]], sizes) -> dict:
-    """nvImageCodec's batched decode alone, same data, same timing, if the wheel is there."""
-    try:
-        from nvidia import nvimgcodec
-    except Exception as exc:
-        return {"error": repr(exc)}
-    res: dict = {"version": getattr(nvimgcodec, "__version__", "?")}
-    try:
-        dec = nvimgcodec.Decoder(max_num_cpu_threads=8)
-
-        def run(batch):
-            imgs = dec.decode(batch)
-            return [torch.as_tensor(im, device="cuda") for im in imgs]
-
-        for name, items in data.items():
-            for bs in sizes:
-                batches = [
-                    [items[(k * bs + j) % len(items)] for j in range(bs)]
-                    for k in range(max(4, (4096 if name == "imagenet" else 512) // bs))
-                ]
-                run(batches[0])
-                runs = [timed(torch, run, batches)[0] for _ in range(2)]
-                res[f"{name}_batch{bs}"] = {"images_per_s": max(runs), "runs": runs}
-                print("nvimgcodec", name, bs, runs, flush=True)
-        from PIL import Image
-
-        diffs = []
-        for d, t in zip(data["imagenet"][:32], run(data["imagenet"][:32]), strict=True):
-            with Image.open(io.BytesIO(d)) as im:
-                want = np.asarray(im.convert("RGB"))
-            diffs.append(float(np.abs(t.cpu().numpy().astype(np.int16) - want).mean()))
-        res["mean_abs_diff_vs_pillow_median"] = statistics.median(diffs)
-    except Exception as exc:
-        res["error"] = repr(exc)
-    return res
-
-
 def e2e(out: Path, n: int) -> dict:
     """`nicoffload plan` then `run` for resnet50.yaml on the local topology (host CPU, local
     agent, GPU): measured throughput and per-stage predicted against measured ms per item."""
