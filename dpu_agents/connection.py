@@ -24,19 +24,20 @@ from dpu_agents.protocol import (
     CALLS,
     MAX_INPUTS,
     MAX_LOAD_BYTES,
+    MAX_VALUES,
     PROTOCOL,
     AuthMeta,
     ChallengeMeta,
     HelloMeta,
-    InputMeta,
     LoadAck,
     LoadMeta,
     RequestMeta,
     WelcomeMeta,
     frame,
+    request_sizes,
     split_request,
 )
-from dpu_agents.session import Session
+from dpu_agents.session import Item, Session
 from dpu_agents.stagebuild import build_stage
 from nicoffload.errors import AgentError, FrameError, TransportError
 from nicoffload.transport import Sender, connect
@@ -175,7 +176,9 @@ class Connection:
         if why:
             raise Full(why)
         proof = auth.server_proof(self.agent.token, nonce, answer.nonce)
-        welcome = WelcomeMeta(proof, self.agent.name, self.agent.pool.n, self.cfg.max_request_bytes)
+        # the most one REQUEST frame (a batch) may carry and still fit this client's budget
+        most = min(self.cfg.max_request_bytes, self.account.most(budget.QUEUED))
+        welcome = WelcomeMeta(proof, self.agent.name, self.agent.pool.n, most)
         self.ch.send(frame(Kind.WELCOME, welcome))
         keys = auth.session_keys(self.agent.token, nonce, answer.nonce, self.ch.transcript())
         self.ch.secure(send_key=keys.agent, recv_key=keys.client)  # every later frame: a MAC
@@ -215,7 +218,7 @@ class Connection:
             else:
                 raise FrameError(f"malformed frame: kind: unexpected {header.kind.name}")
 
-    def _payload(self, header: Header, limit: int, keep: bool = True) -> bytes:
+    def _payload(self, header: Header, limit: int, keep: bool = True) -> memoryview:
         """The frame's payload, checked against `limit` before anything is allocated (a
         request's is also in the budget by now); `keep=False` reads it and drops it."""
         if header.dtype is not DType.NONE:
@@ -227,7 +230,7 @@ class Connection:
             )
         n = header.payload_len
         if n == 0:
-            return b""
+            return memoryview(b"")
         # Pages are touched as bytes arrive (np.empty, not a zeroed bytearray), and the whole
         # payload must be in within payload_timeout_s, however it trickles.
         buf = memoryview(np.empty(min(n, DISCARD) if not keep else n, np.uint8))
@@ -244,7 +247,7 @@ class Connection:
             raise
         finally:
             deadlines.disarm(id(self))
-        return buf.tobytes() if keep else b""
+        return buf.toreadonly() if keep else memoryview(b"")
 
     def _too_slow(self) -> None:
         self._late = True
@@ -257,48 +260,103 @@ class Connection:
         session = self.session
         if session is None:
             raise FrameError("malformed frame: kind: REQUEST before LOAD")
+        sizes = request_sizes(header, meta)  # every length checked before a byte is read
         with self._lock:
             self._outstanding += 1
             if self._outstanding > self.cfg.window:
                 raise FrameError(
                     f"malformed frame: kind: REQUEST without credit ({self.cfg.window})"
                 )
+        session.reading(1)
+        try:
+            self._frame(session, header, meta, sizes)
+        finally:
+            session.reading(-1)
+
+    def _frame(self, session: Session, header: Header, meta: RequestMeta, sizes: np.ndarray):
         n = header.payload_len
         # In the budget before a byte of it is read; over it, this socket is not read
-        # (backpressure) until forwarded requests give memory back. Only a request that no
-        # wait could fit is refused, as an item.
-        reject = _over(self.account, budget.QUEUED, n, "a request's payload")
+        # (backpressure) until forwarded requests give memory back. Only a frame that no
+        # wait could fit is refused, its items failing as too_large (the client sends frames
+        # of at most WELCOME's max_request_bytes: only an item that large alone is refused).
+        reject = _over(self.account, budget.QUEUED, n, "a REQUEST frame's payload")
         queued = n if not reject[0] and n <= self.cfg.max_request_bytes else 0
         self.account.reserve(budget.QUEUED, queued, self.cfg.forward_timeout_s)
         payload = self._payload(header, self.cfg.max_request_bytes, keep=not reject[0])
-        self.agent.metrics.request(n)
-        values, decode = None, 0
-        if not reject[0]:
-            try:
-                values = self._values(session, meta, payload)
-                decode = session.decode_cost(values)
-                reject = _over(self.account, budget.DECODE, decode)
-            except ValueError as exc:
-                reject = ("bad_request", str(exc))
-        del payload  # the values hold their own copies
-        if reject[0]:
-            values = None
-        elif self.agent.draining:
-            values, reject = None, ("agent_draining", "the agent is shutting down")
-        else:
-            self.account.reserve(budget.DECODE, decode, self.cfg.forward_timeout_s)
-        cost = (queued, decode) if values is not None else (0, 0)
-        if values is None:
+        self.agent.metrics.request(n, len(sizes))
+        fresh = session.fresh(header.request_id, len(sizes))
+        items = self._items(session, header.request_id, meta, sizes, payload, fresh, reject)
+        del payload  # what the items' values view stays alive with them
+        if not any(it.values is not None for it in items):
             self.account.release(budget.QUEUED, queued)
-        if not session.admit(header.request_id, values, reject, cost):
-            self.account.release(budget.QUEUED, cost[0])
-            self.account.release(budget.DECODE, cost[1])
-            self.agent.metrics.duplicate()
+            queued = 0
+        if not items:  # every id was seen before
             self._credit(1)
+            return
+        # The frame's payload is one buffer the items view: it is given back with the last.
+        last = items[-1]
+        last.cost = (queued, last.cost[1])
+        self._admit(session, items)
+
+    def _items(
+        self,
+        session: Session,
+        first: int,
+        meta: RequestMeta,
+        sizes: np.ndarray,
+        payload: memoryview,
+        fresh: list[bool],
+        reject: tuple[str, str],
+    ) -> list[Item]:
+        """The frame's items not seen before, each with its values or why it is refused (an
+        item's fault, not the frame's: the others go on)."""
+        every = None if reject[0] else split_request(meta, sizes, payload)
+        items = []
+        for i, new in enumerate(fresh):
+            if not new:
+                self.agent.metrics.duplicate()
+                continue
+            why, values, decode = reject, None, 0
+            if every is not None:
+                values = every[i]
+                try:
+                    self._check_values(session, values)
+                    decode = session.decode_cost(values)
+                    why = _over(self.account, budget.DECODE, decode)
+                except ValueError as exc:
+                    why = ("bad_request", str(exc))
+                if why[0]:
+                    values, decode = None, 0
+                elif self.agent.draining:
+                    values, why, decode = None, ("agent_draining", "the agent is shutting down"), 0
+            items.append(Item(first + i, values, why, (0, decode)))
+        return items
+
+    def _admit(self, session: Session, items: list[Item]) -> None:
+        """Admit a frame's items: as one piece when their decode memory fits the budget at
+        once, else in pieces that each wait for theirs (an admitted piece runs meanwhile and
+        gives its memory back: no wait closes a cycle). Never before the frame's MAC held."""
+        most = self.account.most(budget.DECODE)
+        piece: list[Item] = []
+        used = 0
+        for it in items:
+            if piece and used + it.cost[1] > most:
+                self._admit_piece(session, piece, used, last=False)
+                piece, used = [], 0
+            piece.append(it)
+            used += it.cost[1]
+        self._admit_piece(session, piece, used, last=True)
+
+    def _admit_piece(self, session: Session, piece: list[Item], decode: int, last: bool) -> None:
+        self.account.reserve(budget.DECODE, decode, self.cfg.forward_timeout_s)
+        if not session.admit(piece, last):  # the session closed
+            self.account.release(budget.QUEUED, sum(it.cost[0] for it in piece))
+            self.account.release(budget.DECODE, decode)
+            if last:
+                self._credit(1)
 
     @staticmethod
-    def _values(session: Session, meta: RequestMeta, payload: bytes) -> dict[str, Any]:
-        values = split_request(meta, payload)
+    def _check_values(session: Session, values: dict[str, Any]) -> None:
         inputs = session.built.pipeline.inputs
         if set(values) != set(inputs):
             raise ValueError(f"inputs {sorted(values)}, the pipeline takes {sorted(inputs)}")
@@ -307,7 +365,6 @@ class Connection:
                 raise ValueError(
                     f"input {name!r} must be {'text' if spec.dtype == 'str' else 'bytes'}"
                 )
-        return values
 
     def _credit(self, n: int) -> None:
         with self._lock:
@@ -316,7 +373,7 @@ class Connection:
 
     def _call(self, header: Header, blob: bytes) -> None:
         call = header.request_id
-        payload = self._payload(header, MAX_LOAD_BYTES if header.kind is Kind.LOAD else 0)
+        payload = bytes(self._payload(header, MAX_LOAD_BYTES if header.kind is Kind.LOAD else 0))
         if header.kind is Kind.HEARTBEAT:
             self.ch.send(frame(Kind.HEARTBEAT, request_id=call))
         elif header.kind is Kind.STATS:
@@ -479,7 +536,9 @@ def _check_requests_fit(inputs: Any) -> None:
         raise AgentError(
             f"the pipeline takes {len(inputs)} inputs; a request carries at most {MAX_INPUTS}"
         )
+    names = tuple(str(n) for n in inputs)
+    most = bytes(4 * (MAX_VALUES // max(1, len(names))) * len(names))  # the most lengths
     try:
-        encode_meta(RequestMeta(tuple(InputMeta(str(n), False, 1 << 40) for n in inputs)))
+        encode_meta(RequestMeta(names, (False,) * len(names), most))
     except ValueError as exc:
         raise AgentError(f"a request of this pipeline's {len(inputs)} inputs: {exc}") from None

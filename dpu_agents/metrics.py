@@ -103,11 +103,12 @@ class Metrics:
             self._queue.remove(queue)
         self._depth.pop(queue, None)
 
-    def request(self, nbytes: int) -> None:
-        self._requests.inc()
+    def request(self, nbytes: int, items: int = 1) -> None:
+        """A REQUEST frame of `items` requests, `nbytes` in all."""
+        self._requests.inc(items)
         self._bytes.labels("in").inc(nbytes)
         with self._lock:
-            self._counts["requests"] += 1
+            self._counts["requests"] += items
             self._counts["bytes_in"] += nbytes
 
     def duplicate(self) -> None:

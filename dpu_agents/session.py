@@ -1,5 +1,6 @@
-"""A loaded stage: requests admitted once each (by id), batched, run on the agent's worker pool,
-and every batch's outputs forwarded, in order, to the next placement's receiver.
+"""A loaded stage: requests admitted once each (by id), a REQUEST frame's items as one batch (single
+items are batched here), run on the agent's worker pool, and every batch's outputs forwarded, in
+order, to the next placement's receiver.
 
 Backpressure runs back to the client: the receiver holds its slots -> `send` blocks -> the batch
 ring is full -> the batcher stops -> requests queue -> their credits are not returned, and their
@@ -141,7 +142,7 @@ class WorkerPool:
 
 
 @dataclass
-class _Item:
+class Item:
     request_id: int
     values: dict[str, Any] | None  # None: rejected at the ingress, `reject` says why
     reject: tuple[str, str] = ("", "")
@@ -149,9 +150,18 @@ class _Item:
 
 
 @dataclass
+class _Piece:
+    """Items of one REQUEST frame, admitted together: the client formed them as a batch."""
+
+    items: list[Item]
+    last: bool  # the frame's last piece: its forwarding returns the frame's credit
+
+
+@dataclass
 class _Batch:
     slot: BatchSlot
     ids: list[int] = field(default_factory=list)
+    credits: int = 0  # REQUEST frames whose last item this batch forwards
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)
     cost: tuple[int, int] = (0, 0)  # its items' budget, given back once it is forwarded
     pending: int = 1  # the batcher's own hold until every row is dispatched
@@ -168,7 +178,8 @@ class _Batch:
 
 
 class Session:
-    """One loaded stage. `admit` takes requests (False: a duplicate id); `close` finishes them."""
+    """One loaded stage. `fresh` tells new request ids from repeats, `admit` takes a REQUEST
+    frame's items (in pieces), `close` finishes them."""
 
     def __init__(
         self,
@@ -203,6 +214,7 @@ class Session:
         self._seen = SeenIds(dedup_window)
         self._cond = threading.Condition()
         self.admitted = self.forwarded = 0
+        self._reading = 0  # REQUEST frames being read
         self.broken: BaseException | None = None
         self._closed = False
         self._threads = [
@@ -214,27 +226,39 @@ class Session:
 
     # --- ingress ---------------------------------------------------------------------------
 
-    def admit(
-        self,
-        request_id: int,
-        values: dict[str, Any] | None,
-        reject: tuple[str, str] = ("", ""),
-        cost: tuple[int, int] = (0, 0),
-    ) -> bool:
-        """Queue a request (values None: it fails with `reject`); False if its id was seen.
+    def reading(self, n: int) -> None:
+        """A REQUEST frame's payload is being read (+1), or its items are admitted (-1): a drain
+        waits for them too (a frame half read when the drain began was not admitted yet)."""
+        with self._cond:
+            self._reading += n
+            self._cond.notify_all()
+
+    def fresh(self, first: int, n: int) -> list[bool]:
+        """Which of the request ids first .. first+n-1 were not seen (each now is)."""
+        with self._cond:
+            if self._closed:
+                return [False] * n
+            return [self._seen.add(rid) for rid in range(first, first + n)]
+
+    def admit(self, items: list[Item], last: bool = True) -> bool:
+        """Queue a piece of one REQUEST frame (items with values None fail with their
+        `reject`), run as one batch when it fits the batch size; `last`: the frame's last
+        piece, whose forwarding returns the frame's credit. False once closed. Each item's
         `cost` (queued, decode bytes) is given back to the account once it is forwarded."""
         with self._cond:
-            if self._closed or not self._seen.add(request_id):
+            if self._closed:
                 return False
-            self.admitted += 1
-        self._ingress.put(_Item(request_id, values, reject, cost))
+            self.admitted += len(items)
+        self._ingress.put(_Piece(items, last))
         self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
         return True
 
     def drain(self, timeout: float) -> bool:
         """Wait until every admitted request is forwarded (or dropped, once broken)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.forwarded >= self.admitted, timeout)
+            return self._cond.wait_for(
+                lambda: self.forwarded >= self.admitted and not self._reading, timeout
+            )
 
     def close(self, timeout: float) -> None:
         """Finish the admitted requests (up to `timeout` s), then say goodbye to the receiver."""
@@ -254,27 +278,42 @@ class Session:
 
     # --- batching and running --------------------------------------------------------------
 
-    def _batcher(self) -> None:
-        b = self.built
-        ended = False
-        while not ended:
-            first = self._ingress.get()
+    def _pieces(self) -> Any:
+        """Batches of pieces, each at most batch_max_size items (a larger piece is cut): a
+        piece of several items (the client's batch) runs as it came, alone or after the
+        single items waiting before it; single items are batched for up to batch_max_wait."""
+        b, carry = self.built, None
+        while True:
+            first = carry if carry is not None else self._ingress.get()
+            carry = None
             if first is _END:
-                break
-            items = [first]
+                return
+            size = b.batch_max_size
+            if len(first.items) > size:  # cut: the rest is the next batch's
+                carry = _Piece(first.items[size:], first.last)
+                first = _Piece(first.items[:size], False)
+            pieces = [first]
+            count = len(first.items)
             deadline = time.monotonic() + b.batch_max_wait_s
-            while len(items) < b.batch_max_size:
+            while count < size and len(pieces[-1].items) == 1 and carry is None:
                 try:
                     it = self._ingress.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
-                if it is _END:
-                    ended = True
+                if it is _END or count + len(it.items) > size:
+                    carry = it
                     break
-                items.append(it)
+                pieces.append(it)
+                count += len(it.items)
+            yield pieces
+
+    def _batcher(self) -> None:
+        for pieces in self._pieces():
+            items = [it for p in pieces for it in p.items]
             self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
             batch = _Batch(self._ring.take())
             batch.ids = [it.request_id for it in items]
+            batch.credits = sum(p.last for p in pieces)
             batch.cost = (sum(it.cost[0] for it in items), sum(it.cost[1] for it in items))
             batch.pending += len(items)
             self._formed.put(batch)
@@ -340,8 +379,8 @@ class Session:
             with self._cond:
                 self.forwarded += n
                 self._cond.notify_all()
-            if self.broken is None:
-                self._on_credit(n)
+            if self.broken is None and batch.credits:
+                self._on_credit(batch.credits)
             self.metrics.depth("workers", self.pool.depth())
 
     def _fit(self, batch: _Batch, n: int) -> None:

@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dpu_agents import auth
@@ -26,7 +26,7 @@ from dpu_agents.protocol import (
     LoadMeta,
     WelcomeMeta,
     frame,
-    request_frame,
+    request_frames,
 )
 from nicoffload.errors import AgentError, FrameError, TransportError
 from nicoffload.planner.plan import Plan
@@ -244,10 +244,31 @@ class AgentClient:
     def submit(
         self, request_id: int, values: Mapping[str, bytes | str], *, timeout: float | None = None
     ) -> None:
-        """Send one request to the ingress; blocks while the agent holds every credit
+        """Send one request to the ingress (a batch of one: see `submit_batch`)."""
+        self.submit_batch(request_id, [values], timeout=timeout)
+
+    def submit_batch(
+        self,
+        first_id: int,
+        items: Sequence[Mapping[str, Any]],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Send a batch of requests (ids first_id, first_id + 1, ...) to the ingress: one
+        REQUEST frame and one credit for the lot (more when it is larger than one frame may
+        carry: WELCOME's max_request_bytes); blocks while the agent holds every credit
         (AgentError once the agent is dead, or after `timeout` s if one is given)."""
-        head, parts = request_frame(request_id, dict(values))
         deadline = None if timeout is None else time.monotonic() + timeout
+        limit = self.agent.max_request_bytes
+        for _, head, parts in request_frames(first_id, items, limit):
+            self._take_credit(deadline, timeout)
+            try:
+                self._ch.send(head, parts)
+            except TransportError as exc:
+                self._die(str(exc))
+                self._check()
+
+    def _take_credit(self, deadline: float | None, timeout: float | None) -> None:
         with self._cond:
             if self.loaded is None:
                 raise AgentError("no stage is loaded on this connection: call load() first")
@@ -259,11 +280,6 @@ class AgentClient:
                 self._cond.wait(left)
             self._check()
             self._credits -= 1
-        try:
-            self._ch.send(head, parts)
-        except TransportError as exc:
-            self._die(str(exc))
-            self._check()
 
     def stats(self) -> dict[str, Any]:
         return decode_meta(self._call(Kind.STATS))

@@ -27,6 +27,7 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, ItemFailure, settle
 from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
+from nicoffload.runtime.delivered import delivers_outputs, place_rows
 from nicoffload.runtime.gpu_direct import GpuDirect
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
 from nicoffload.runtime.remote import RemoteFront, leaving
@@ -194,6 +195,8 @@ class Executor:
         admitted = threading.Event()  # the feeder has admitted every item
         stop = threading.Event()
         front = self.front
+        held: list[_Task] = []  # the open batch's items, for the agent
+        placed = delivers_outputs(front, self.host, self.gpu, self.out_refs)
         # A call starts with every slot free (an abandoned call's batches held some), and
         # stamps rows with keys of its own: a straggler of an earlier call cannot pass for one
         # of this call's items.
@@ -207,9 +210,9 @@ class Executor:
                 cond.notify_all()
             stop.set()
 
-        def finish(b: _Open) -> None:
+        def finish(b: _Open, n: int = 1) -> None:
             with cond:
-                b.pending -= 1
+                b.pending -= n
                 if b.pending == 0:
                     b.done_at = time.perf_counter()
                     ready[b.index] = b
@@ -232,17 +235,23 @@ class Executor:
                         task.release()
                 finish(task.batch)
 
-        def on_row(task: _Task, values, why, release) -> None:
-            if why is not None:
+        def on_rows(tasks: list[_Task], rows: list[int], tensors, bad, release) -> None:
+            assert front is not None  # a delivery's failed rows, then its ok ones
+            for task, why in bad:
                 failed(task, *why)
-                release()
                 finish(task.batch)
+            if placed and tasks:  # the delivered rows are the outputs: placed a batch at once
+                for b, n in place_rows(tasks, rows, tensors, self.out_refs):
+                    finish(b, n)
+                release(len(tasks))
                 return
-            # the host stages read the DPU stage's outputs and the pipeline inputs it did not
-            # take (a text branch beside an image branch)
-            task.values, task.route, task.release = task.values | values, self.host, release
-            if not put_unless(work, task, stop):
-                release()
+            for task, row in zip(tasks, rows, strict=True):
+                # the host stages read the DPU stage's outputs and the pipeline inputs it did
+                # not take (a text branch beside an image branch)
+                task.values = task.values | front.row_values(tensors, row)
+                task.route, task.release = self.host, release
+                if not put_unless(work, task, stop):
+                    release()
 
         def on_host(tasks: list[_Task], why: str) -> None:
             """Run `tasks`' DPU stage here instead: the agent died, drains, or skipped them."""
@@ -261,7 +270,7 @@ class Executor:
             try:
                 front.receive(
                     lambda: stop.is_set() or (admitted.is_set() and not front.pending),
-                    on_row,
+                    on_rows,
                     take_back,
                     on_host,
                 )
@@ -279,20 +288,22 @@ class Executor:
             put_unless(source, _END, stop)
 
         def route(task: _Task) -> None:
-            if front is not None and front.accepting:
-                try:
-                    front.submit(task)
-                    return
-                except AgentError as exc:
-                    take_back(str(exc))  # includes this task, recorded before the submit
-                    return
-            if front is not None:
-                on_host([task], front.dead or front.refusing or "the agent is gone")
+            if front is not None:  # the batch goes to the agent whole, once it is closed
+                held.append(task)
                 return
             task.route = self.fallback
             put_unless(work, task, stop)
 
         def close(b: _Open) -> None:
+            if held and front is not None:  # one REQUEST frame (one credit) for the batch
+                tasks, held[:] = held[:], []
+                if front.accepting:
+                    try:
+                        front.submit_batch(tasks)
+                    except AgentError as exc:
+                        take_back(str(exc))  # includes these tasks, recorded before the submit
+                else:
+                    on_host(tasks, front.dead or front.refusing or "the agent is gone")
             finish(b)
 
         def feeder() -> None:

@@ -32,6 +32,10 @@ from nicoffload.transport.frame import MAX_PAYLOAD
 from nicoffload.transport.slots import ALIGN
 
 POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
+# on_rows(tasks, rows, tensors, failed, release): a delivery's ok rows (the tasks, their rows
+# in `tensors`), its failed ones [(task, (reason, detail))], and `release(n)`, to be called
+# once for each ok row when it has been used (the delivery's slot is then given back)
+OnRows = Callable[[list[Any], list[int], Mapping[str, Any], list[Any], Callable[..., None]], None]
 
 
 @dataclass
@@ -52,9 +56,9 @@ class _Release:
     left: int
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self) -> None:
+    def __call__(self, n: int = 1) -> None:
         with self.lock:
-            self.left -= 1
+            self.left -= n
             done = self.left == 0
         if done:
             self.receiver.release(self.delivery)
@@ -111,14 +115,20 @@ class RemoteFront:
         self.transfer = TransferStats()
 
     def submit(self, task: Any) -> None:
-        """Record then submit; AgentError leaves the task pending for `take_back`. Request
-        ids increase over the front's life, across a session's calls (the agent refuses an id
-        it has seen)."""
+        """`submit_batch` of one task."""
+        self.submit_batch([task])
+
+    def submit_batch(self, tasks: list[Any]) -> None:
+        """Record then submit a batch as one (one REQUEST frame, one credit); AgentError
+        leaves the tasks pending for `take_back`. Request ids increase over the front's life,
+        across a session's calls (the agent refuses an id it has seen)."""
         with self.lock:
-            task.rid = self._next_rid
-            self._next_rid += 1
-            self.pending[task.rid] = task
-        self.client.submit(task.rid, task.values)
+            first = self._next_rid
+            for i, task in enumerate(tasks):
+                task.rid = first + i
+                self.pending[task.rid] = task
+            self._next_rid += len(tasks)
+        self.client.submit_batch(first, [t.values for t in tasks])
 
     def take_back(self, why: str) -> list[Any]:
         """The agent is gone: every unclaimed task, to be run on the host."""
@@ -137,15 +147,13 @@ class RemoteFront:
     def receive(
         self,
         finished: Callable[[], bool],
-        on_row: Callable[
-            [Any, dict[str, Any] | None, tuple[str, str] | None, Callable[[], None]], None
-        ],
+        on_rows: OnRows,
         on_death: Callable[[str], None],
         on_host: Callable[[list[Any], str], None],
     ) -> None:
-        """Loop until `finished()`: claim each delivered row and hand it to `on_row`; items the
-        agent will not deliver (it refused them while draining, or skipped them) go to
-        `on_host`, and every unclaimed one to `on_death` once the agent is gone."""
+        """Loop until `finished()`: claim each delivery's rows and hand them to `on_rows`;
+        items the agent will not deliver (it refused them while draining, or skipped them) go
+        to `on_host`, and every unclaimed one to `on_death` once the agent is gone."""
         while not finished():
             if not self.alive:
                 on_death(self.dead or "the agent stopped answering")
@@ -160,10 +168,30 @@ class RemoteFront:
             if d is None:
                 on_death("the agent closed its transfer")
                 return
-            self._take(d, on_row, on_host)
+            self._take(d, on_rows, on_host)
 
-    def _take(self, d: Any, on_row, on_host) -> None:
-        """Claim a delivery's rows (a `Delivery`, or a `GpuDelivery` from the landing)."""
+    def _claim(self, ids: list[int]) -> tuple[list[int], list[Any], list[Any]]:
+        """The delivered rows still pending (their rows, their tasks) and the items skipped."""
+        rows, tasks, skipped = [], [], []
+        pending = self.pending
+        with self.lock:
+            for row, rid in enumerate(ids):
+                task = pending.pop(rid, None)
+                if task is not None:  # None: a duplicate, or an item already taken back
+                    rows.append(row)
+                    tasks.append(task)
+            # The agent forwards in the order it admits, and items are submitted in order on
+            # one connection: a pending item older than the newest delivered one was skipped.
+            last = max(ids, default=0)
+            for rid in list(pending):
+                if rid >= last:
+                    break
+                skipped.append(pending.pop(rid))
+        return rows, tasks, skipped
+
+    def _take(self, d: Any, on_rows: OnRows, on_host) -> None:
+        """Claim a delivery's rows (a `Delivery`, or a `GpuDelivery` from the landing) as a
+        batch: its ok rows go to `on_rows` at once, failed ones with their reason."""
         now = time.time_ns()
         t = self.transfer
         t.batches += 1
@@ -173,47 +201,40 @@ class RemoteFront:
             t.timed += 1
         failed = failed_of(d.meta)
         ids = d.meta["request_ids"]
-        claimed, skipped = [], []
-        with self.lock:
-            for row, rid in enumerate(ids):
-                task = self.pending.pop(rid, None)
-                if task is not None:  # None: a duplicate, or an item already taken back
-                    claimed.append((row, rid, task))
-            # The agent forwards in the order it admits, and items are submitted in order on
-            # one connection: a pending item older than the newest delivered one was skipped.
-            last = max(ids, default=0)
-            for rid in list(self.pending):
-                if rid >= last:
-                    break
-                skipped.append(self.pending.pop(rid))
+        rows, tasks, skipped = self._claim(ids)
         if skipped:
             on_host(skipped, f"the agent skipped {len(skipped)} items without a result")
-        t.items += len(claimed)
+        t.items += len(tasks)
+        ok_rows, ok_tasks, bad, back = rows, tasks, [], []
+        if failed:
+            ok_rows, ok_tasks = [], []
+            for row, task in zip(rows, tasks, strict=True):
+                why = failed.get(ids[row])
+                if why is None:
+                    ok_rows.append(row)
+                    ok_tasks.append(task)
+                elif why[0] in ON_HOST:
+                    if why[0] == DRAINING:  # the agent is shutting down: it takes no more
+                        self.refusing = self.refusing or f"the agent is draining: {why[1]}"
+                    back.append((task, why[1]))
+                else:
+                    bad.append((task, tuple(why)))
         if self.landing is not None:
             # the landing gives the slot back itself once its copy is done; the rows are views
             # of fresh device tensors, complete once the copy has finished
-            release: Callable[[], None] = _nothing
+            release: Callable[..., None] = _nothing
             d.wait()
         else:
-            release = _Release(self.receiver, d, len(claimed))
-            if not claimed:
+            release = _Release(self.receiver, d, len(ok_tasks))
+            if not ok_tasks:
                 self.receiver.release(d)
-        for row, rid, task in claimed:
-            if rid in failed and failed[rid][0] in ON_HOST:
-                reason, detail = failed[rid]
-                if reason == DRAINING:  # the agent is shutting down: it takes no more
-                    self.refusing = self.refusing or f"the agent is draining: {detail}"
-                release()
-                on_host([task], self.refusing or f"an item did not fit the transfer: {detail}")
-                continue
-            if rid in failed:
-                on_row(task, None, tuple(failed[rid]), release)
-                continue
-            values = {
-                k: d.tensors[k][row] if k in d.tensors else d.tensors[f"{k}@{row}"]
-                for k in self.keys
-            }
-            on_row(task, values, None, release)
+        for task, detail in back:
+            on_host([task], self.refusing or f"an item did not fit the transfer: {detail}")
+        on_rows(ok_tasks, ok_rows, d.tensors, bad, release)
+
+    def row_values(self, tensors: Mapping[str, Any], row: int) -> dict[str, Any]:
+        """The values of one delivered row, by key (views of the delivery)."""
+        return {k: tensors[k][row] if k in tensors else tensors[f"{k}@{row}"] for k in self.keys}
 
     def remote_stats(self) -> dict[str, Any]:
         """The agent's own measurement of the stage's kernels (`cpu_ms_per_item`,
@@ -226,7 +247,7 @@ class RemoteFront:
             return {}
 
 
-def _nothing() -> None:
+def _nothing(n: int = 1) -> None:
     return None
 
 

@@ -19,7 +19,7 @@ from test_agent_hardening import proc_status, served, start_agent, token_file  #
 
 from dpu_agents import auth
 from dpu_agents.local import LocalAgent
-from dpu_agents.protocol import InputMeta, RequestMeta
+from dpu_agents.protocol import RequestMeta
 from nicoffload.agent_client import AgentClient
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
@@ -123,8 +123,10 @@ class Peak(threading.Thread):
 
 def declare(client: AgentClient, request_id: int, nbytes: int) -> None:
     """Send a REQUEST head declaring `nbytes` of payload, and none of the payload."""
-    blob = encode_meta(RequestMeta((InputMeta("image", False, nbytes),)))
-    head = Header(Kind.REQUEST, request_id=request_id, meta_len=len(blob), payload_len=nbytes)
+    blob = encode_meta(RequestMeta(("image",), (False,), nbytes.to_bytes(4, "little")))
+    head = Header(
+        Kind.REQUEST, request_id=request_id, batch_size=1, meta_len=len(blob), payload_len=nbytes
+    )
     client._ch.send(head.pack(blob) + blob)
 
 

@@ -34,12 +34,11 @@ from dpu_agents.protocol import (
     AuthMeta,
     ChallengeMeta,
     HelloMeta,
-    InputMeta,
     LoadMeta,
     RequestMeta,
     frame,
-    request_frame,
 )
+from dpu_agents.protocol import request_frames as request_frames_of
 from dpu_agents.stagebuild import pipeline_from_text
 from nicoffload.agent_client import AgentClient
 from nicoffload.errors import FrameError, TransportError
@@ -54,8 +53,10 @@ from nicoffload.transport.frame import (
     HEADER_SIZE,
     MAGIC_U32,
     VERSION,
+    Header,
     Kind,
     decode_meta,
+    encode_meta,
 )
 from nicoffload.transport.integrity import TAG_BYTES, FrameMac
 
@@ -197,14 +198,8 @@ _META = st.one_of(
         st.text(max_size=8), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8), max_size=4
     ),
     st.just(HelloMeta("fuzz")),
-    st.just(RequestMeta((InputMeta("text", True, 3),))),
+    st.just(RequestMeta(("text",), (True,), (3).to_bytes(4, "little"))),
 )
-_VALUES = st.dictionaries(
-    st.sampled_from(["image", "text", "other"]),
-    st.binary(max_size=96) | st.text(max_size=16) | st.just(b"\xff\xd8\xff\xe0" + bytes(40)),
-    max_size=3,
-)
-_LENGTH = st.integers(0, 2**40)
 
 
 @st.composite
@@ -234,15 +229,49 @@ def control_frame(draw: st.DrawFn, kinds: st.SearchStrategy[Kind]) -> bytes:
     return frame(draw(kinds), draw(_META), request_id=draw(_ID))
 
 
+_LIES = st.sampled_from(["none", "sum", "count", "lengths", "names", "flags"])
+
+
 @st.composite
 def request_frames(draw: st.DrawFn) -> bytes:
-    """REQUESTs with lying lengths, wrong inputs, garbage images, or an odd id."""
-    head, parts = request_frame(draw(_ID), draw(_VALUES))
-    body = b"".join(parts)
-    if draw(st.booleans()):  # lengths in the meta that do not add up
-        lying = RequestMeta((InputMeta("image", False, draw(_LENGTH)),))
-        head = frame(Kind.REQUEST, lying, request_id=1, payload=len(body))
-    return head + body
+    """One REQUEST of a batch of 1-4 items (values back to back, their lengths in the meta),
+    honest or lying (lengths that do not add up, a batch_size that does not match them, a
+    lengths blob of the wrong size, an input named twice, text flags that do not match), with
+    wrong inputs, garbage images, or an odd id."""
+    names = draw(st.lists(st.sampled_from(["image", "text", "other"]), max_size=3, unique=True))
+    text = [draw(st.booleans()) for _ in names]
+    n = draw(st.integers(1, 4))
+    pick = st.binary(max_size=96) | st.just(b"\xff\xd8\xff\xe0" + bytes(40))
+    items = [{k: draw(pick) for k in names} for _ in range(n)]
+    for item in items:
+        for k, t in zip(names, text, strict=True):
+            if t:
+                item[k] = item[k].decode("latin-1")
+    first = draw(_ID) % (2**64 - 8)
+    _, head, parts = next(request_frames_of(first, items, 1 << 20))
+    body = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in parts)
+    lie = draw(_LIES)
+    if lie == "none":
+        return head + body
+    lengths = [len(bytes(p)) for p in parts]
+    count, flags, keys = n, tuple(text), tuple(names)
+    if lie == "sum":
+        lengths = [*(lengths or [0])[:-1], draw(st.integers(0, 2**32 - 1))]
+    elif lie == "count":
+        count = draw(st.integers(0, 2**32 - 1))
+    elif lie == "lengths":
+        lengths = [*lengths, draw(st.integers(0, 9))]
+    elif lie == "names":
+        keys = (*keys, "image") if "image" in keys else ("image", "image")
+        flags = (*flags, False) if len(flags) < len(keys) else flags
+    else:
+        flags = (*flags, True)
+    meta = RequestMeta(keys, flags, np.asarray(lengths, "<u4").tobytes())
+    blob = encode_meta(meta)
+    lying = Header(
+        Kind.REQUEST, request_id=first, batch_size=count, meta_len=len(blob), payload_len=len(body)
+    )
+    return lying.pack(blob) + blob + body
 
 
 ANY_KIND = st.sampled_from(list(Kind))

@@ -148,6 +148,44 @@ def test_a_request_with_wrong_inputs_fails_as_an_item(agent, rx) -> None:
         assert client.alive
 
 
+def test_a_batch_goes_as_one_frame_runs_as_one_batch_and_returns_one_credit(agent, rx) -> None:
+    """Two batches of 3 with room for 8: two deliveries as they were sent (not re-batched into
+    one of 6), a corrupt image failing alone, and one credit back per batch (the window counts
+    frames: a credit per item would leave the client more credits than the agent allows)."""
+    images = [jpeg(1), b"\xff\xd8 not really a jpeg", jpeg(2), jpeg(3), jpeg(4), jpeg(5)]
+    ref = on_host(RESNET, images)
+    with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
+        load(client, RESNET, rx.address, size=8)
+        client.submit_batch(1, [{"image": img} for img in images[:3]])
+        client.submit_batch(4, [{"image": img} for img in images[3:]])
+        got = collect(rx, 6)
+        assert [d.meta["request_ids"] for d in got] == [[1, 2, 3], [4, 5, 6]]
+        assert list(got[0].meta["failed"]) == [2] and not got[1].meta["failed"]
+        pixels = np.concatenate([d.tensors["norm"] for d in got])
+        np.testing.assert_array_equal(pixels, ref.outputs["pixels"])
+        for d in got:
+            rx.release(d)
+        client.drain(timeout=WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while client._credits < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # a credit too many would have come by now
+        assert client._credits == 8
+        assert client.stats()["requests"] == 6
+
+
+def test_repeated_ids_in_a_batch_are_delivered_once(agent, rx) -> None:
+    with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
+        load(client, BERT, rx.address, size=8)
+        client.submit_batch(1, [{"text": t} for t in ("a", "b", "c")])
+        client.submit_batch(2, [{"text": t} for t in ("b", "c", "d")])  # 2 and 3 again
+        client.submit_batch(2, [{"text": "b"}])  # only repeats: its credit comes back at once
+        ids = [rid for d in collect(rx, 4) for rid in d.meta["request_ids"]]
+        client.drain(timeout=WAIT_S)
+        assert ids == [1, 2, 3, 4]
+        assert client.stats()["duplicates"] == 3
+
+
 def test_backpressure_blocks_submit_until_the_receiver_releases(agent, rx) -> None:
     """2 slots held by the host, 3 batches in the agent, 8 credits: then submit must wait."""
     with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:

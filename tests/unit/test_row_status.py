@@ -110,8 +110,8 @@ class _Client:
     def __init__(self) -> None:
         self.sent: list[int] = []
 
-    def submit(self, request_id, values) -> None:
-        self.sent.append(request_id)
+    def submit_batch(self, first_id, items) -> None:
+        self.sent.extend(range(first_id, first_id + len(items)))
 
 
 class _Receiver:
@@ -149,7 +149,9 @@ def test_a_delivery_missing_a_row_sends_that_item_to_the_host_exactly_once():
     front, _ = front_with(6)
     rows, on_host = [], []
     take = lambda d: front._take(  # noqa: E731
-        d, lambda t, v, why, rel: rows.append(t.index), lambda ts, why: on_host.extend(ts)
+        d,
+        lambda ts, rs, tensors, bad, rel: rows.extend(t.index for t in ts),
+        lambda ts, why: on_host.extend(ts),
     )
     take(delivery([1, 2, 4]))  # item 2 (request 3) was skipped
     assert rows == [0, 1, 3] and [t.index for t in on_host] == [2]
@@ -164,7 +166,7 @@ def test_rows_refused_while_the_agent_drains_run_on_the_host_and_stop_new_submit
     refused = {"2": [DRAINING, "the agent is shutting down"], "3": [DRAINING, "shutting down"]}
     front._take(
         delivery([1, 2, 3], refused),
-        lambda t, v, why, rel: rows.append((t.index, why)),
+        lambda ts, rs, tensors, bad, rel: rows.extend([(t.index, None) for t in ts] + bad),
         lambda ts, why: on_host.extend(t.index for t in ts),
     )
     assert rows == [(0, None)] and on_host == [1, 2]
@@ -182,3 +184,50 @@ def test_the_python_api_refuses_a_plan_for_a_device_the_topology_lacks(tmp_path)
     with pytest.raises(UserError, match="lacks") as info:
         nicoffload.run(pipeline, TEXTS, plan=plan, topology=host)
     assert info.value.exit_code == 2
+
+
+class _Open:
+    def __init__(self, slot, key: int) -> None:
+        self.slot, self.key = slot, key
+
+
+class _Row:
+    def __init__(self, batch, row: int, index: int) -> None:
+        self.batch, self.row, self.index = batch, row, index
+
+
+def delivered_slot(rows: int) -> buffers.BatchSlot:
+    arrays = {"ids": np.zeros((rows, 2), np.int64)}
+    return buffers.BatchSlot(0, arrays, {"words": [None] * rows}, Stamps(["ids", "words"], rows))
+
+
+def test_delivered_rows_are_placed_a_batch_at_once_each_into_its_own_row():
+    from nicoffload.runtime.delivered import place_rows
+
+    a, b = _Open(delivered_slot(4), 1 << 32), _Open(delivered_slot(4), 1 << 32)
+    # rows 0, 1, 3 of the delivery; the host rows are out of order and in two batches
+    tasks = [_Row(a, 2, 10), _Row(b, 0, 20), _Row(a, 0, 8)]
+    tensors = {"ids": np.arange(8).reshape(4, 2) + 100, "words@0": np.array([5]), "words@3": [7]}
+    placed = place_rows(tasks, [0, 1, 3], tensors, {"ids": "ids", "words": "words"})
+    assert [(g is a, n) for g, n in placed] == [(True, 2), (False, 1)]
+    assert a.slot.arrays["ids"][[2, 0]].tolist() == [[100, 101], [106, 107]]
+    assert b.slot.arrays["ids"][0].tolist() == [102, 103]
+    key = 1 << 32
+    assert a.slot.stamps.rows["ids"][[2, 0]].tolist() == [key + 11, key + 9]
+    assert a.slot.stamps.rows["words"][[2, 0]].tolist() == [key + 11, key + 9]
+    # the delivery held no words for row 1: that row is left unstamped, so it fails as unwritten
+    assert b.slot.stamps.rows["ids"][0] == key + 21 and b.slot.stamps.rows["words"][0] == 0
+    ok, failures = settle(20, ["x"], [], [b.slot.stamps], key)
+    assert not ok[0] and failures[0].reason == UNWRITTEN
+
+
+def test_a_consecutive_delivery_lands_in_its_batch_rows_in_one_copy():
+    from nicoffload.runtime.delivered import place_rows
+
+    a = _Open(delivered_slot(4), 0)
+    tensors = {"ids": np.arange(8).reshape(4, 2), **{f"words@{r}": [r] for r in range(4)}}
+    tasks = [_Row(a, r + 1, r) for r in range(3)]
+    place_rows(tasks, [1, 2, 3], tensors, {"ids": "ids", "words": "words"})
+    assert a.slot.arrays["ids"][1:].tolist() == [[2, 3], [4, 5], [6, 7]]
+    assert a.slot.stamps.rows["ids"].tolist() == [0, 1, 2, 3]
+    assert [a.slot.ragged["words"][r].tolist() for r in (1, 2, 3)] == [[1], [2], [3]]
