@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -227,10 +228,13 @@ def collect(pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats) -> Ru
         names.extend(batch.names)
         oks.append(batch.ok.copy())
         failures.extend(batch.failures)
+        host = {}
         for k, v in batch.outputs.items():
             if hasattr(v, "is_cuda"):  # a GPU stage's tensor (fresh per batch): kept for torch()
-                on_gpu.setdefault(k, []).append(v)
-        for k, v in batch.numpy().outputs.items():
+                on_gpu.setdefault(k, []).append(v)  # and copied to the host once, at the end
+            else:
+                host[k] = v
+        for k, v in replace(batch, outputs=host).numpy().outputs.items():
             parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
     specs = pipeline.output_specs()
     outputs: dict[str, Any] = {}
@@ -247,4 +251,5 @@ def collect(pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats) -> Ru
         import torch
 
         gpu_out = {k: torch.cat(v) for k, v in on_gpu.items()}
+        outputs.update({k: t.cpu().numpy() for k, t in gpu_out.items()})
     return RunResult(names, outputs, ok, failures, stats, gpu_out)

@@ -297,7 +297,8 @@ class GpuStage:
                 if i == 0:
                     produced = _produced(results[0], job.n)
                 values.update(zip(step.writes, results, strict=True))
-            done = torch.cuda.Event()
+            # a blocking event: whoever waits for the batch sleeps instead of spinning a core
+            done = torch.cuda.Event(blocking=True)
             done.record(st.compute)
         outputs = {k: values[k] for k in self.outputs}
         return GpuBatch(
