@@ -51,6 +51,7 @@ class LinkCost:
     latency_ms: float
     bandwidth: float  # bytes per second, each direction
     cpu_ns_per_byte: float  # CPU time at each CPU endpoint
+    cpu_us_per_batch: float = 0.0  # and per batch (frames, credits, the MAC's fixed part)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Profile:
                     "latency_ms": c.latency_ms,
                     "bandwidth_bytes_per_s": c.bandwidth,
                     "cpu_ns_per_byte": c.cpu_ns_per_byte,
+                    "cpu_us_per_batch": c.cpu_us_per_batch,
                 }
                 for t, c in sorted(self.links.items())
             },
@@ -149,6 +151,8 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             _number(body, "latency_ms", where, source),
             _number(body, "bandwidth_bytes_per_s", where, source) or 1.0,
             _number(body, "cpu_ns_per_byte", where, source),
+            # profiles written before it was measured lack it
+            _number(body, "cpu_us_per_batch", where, source) if "cpu_us_per_batch" in body else 0.0,
         )
     return Profile(
         kind,
@@ -367,55 +371,10 @@ def measure_kernels(
 
 
 def measure_links(*, quick: bool = False) -> dict[str, LinkCost]:
-    """Loopback TCP and a shared-memory copy on this machine: latency, bandwidth, CPU per byte."""
-    import socket
-    import threading
-    import time
+    """tcp and shm as the runtime moves bytes over them (`profiling.measure_transports`)."""
+    from nicoffload.profiling import measure_transports
 
-    import numpy as np
-
-    total = (32 if quick else 128) << 20
-    server = socket.create_server(("127.0.0.1", 0))
-    tx = socket.create_connection(server.getsockname())
-    rx, _ = server.accept()
-    server.close()
-    try:
-        for s in (tx, rx):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            tx.sendall(b"x")
-            rx.recv(1)
-            rx.sendall(b"y")
-            tx.recv(1)
-        tcp_latency = (time.perf_counter() - t0) / 400 * 1e3
-
-        def drain() -> None:
-            buf, got = bytearray(1 << 20), 0
-            while got < total:
-                got += rx.recv_into(buf)
-
-        chunk = bytes(1 << 20)
-        reader = threading.Thread(target=drain)
-        c0, t0 = time.process_time(), time.perf_counter()
-        reader.start()
-        for _ in range(total >> 20):
-            tx.sendall(chunk)
-        reader.join()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        tx.close()
-        rx.close()
-    src, dst = np.ones(total // 2, np.uint8), np.empty(total // 2, np.uint8)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        np.copyto(dst, src)
-    copy_s = (time.perf_counter() - t0) / 4
-    shm_bw = src.nbytes / copy_s
-    return {
-        "tcp": LinkCost(tcp_latency, total / wall, cpu / total * 1e9 / 2),
-        "shm": LinkCost(0.01, shm_bw, 1e9 / shm_bw / 2),
-    }
+    return measure_transports(quick=quick)
 
 
 def machine_info() -> dict[str, Any]:
@@ -465,7 +424,8 @@ def measure(
         "items with their own input and output buffers, median of 5 rounds per size, "
         f"on JPEGs of {sizes} (resize to 0.7x, so decode is at full size) and texts of "
         f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
-        "links: loopback TCP and a memcpy"
+        "links: nicoffload's own tcp (every frame MAC'd) and shm transports, keyed as the agent keys "
+        "them, CPU of both ends fitted a + b * bytes per batch"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return Profile(kind, kernels, links, machine_info(), date, method, "", "<measured>")

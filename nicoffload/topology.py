@@ -22,15 +22,18 @@ KINDS = ("cpu", "dpu", "gpu")
 # `p4`: the NIC ports each device is reached on, read by nicoffload.p4.ports (not the planner).
 TOP_KEYS = ("name", "description", "devices", "links", "ingress", "egress", "p4")
 DEVICE_KEYS = ("kind", "cores", "capacity", "memory", "address", "profile", "emulated")
-LINK_KEYS = ("between", "transport", "bandwidth", "latency", "cpu_ns_per_byte")
-# Host CPU time per byte at each CPU endpoint (cpu or dpu) of a hop: TCP copies on both sides;
-# shared memory is one memcpy, split between the ends; RDMA and DMA move bytes without the CPU.
+LINK_KEYS = ("between", "transport", "bandwidth", "latency", "cpu_ns_per_byte", "cpu_us_per_batch")
+# CPU time at each CPU endpoint (cpu or dpu) of a hop, per byte and per batch, as nicoffload's
+# own transports cost it (`nicoffload profile` measures tcp and shm on a machine; these are the
+# 2-core development VM's figures, 2026-12-02): TCP copies and MACs every byte on both sides;
+# shared memory is one memcpy by the sender and a MAC on the control frames only; RDMA and DMA
+# move bytes without the CPU (their per-batch cost, posting and completing, is not measured yet).
 TRANSPORTS: dict[str, dict[str, float]] = {
-    "shm": {"latency_ms": 0.01, "cpu_ns_per_byte": 0.05},
-    "tcp": {"latency_ms": 0.03, "cpu_ns_per_byte": 0.25},
-    "rdma": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0},
-    "rdma-gpudirect": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0},
-    "pcie": {"latency_ms": 0.01, "cpu_ns_per_byte": 0.0},
+    "shm": {"latency_ms": 0.04, "cpu_ns_per_byte": 0.06, "cpu_us_per_batch": 40.0},
+    "tcp": {"latency_ms": 0.08, "cpu_ns_per_byte": 1.0, "cpu_us_per_batch": 50.0},
+    "rdma": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
+    "rdma-gpudirect": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
+    "pcie": {"latency_ms": 0.01, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
 }
 _ID = re.compile(r"^(cpu|dpu|gpu)[A-Za-z0-9_]*$")
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([GMK]?)(b|B|bit|bits)/s\s*$")
@@ -64,6 +67,7 @@ class Link:
     latency_ms: float
     cpu_ns_per_byte: float
     mark: Mark | None = field(default=None, compare=False)
+    cpu_us_per_batch: float = 0.0  # CPU at each CPU end per batch, whatever its size
 
     def other(self, end: str) -> str:
         return self.b if end == self.a else self.a
@@ -277,10 +281,22 @@ def _link(raw: Any, mark: Mark, ids: list[str]) -> Link:
         raise _bad(
             "link: 'latency'", raw["latency"], "a time like 5us or 0.03ms", raw.mark_of("latency")
         )
-    cpu = raw.get("cpu_ns_per_byte", defaults["cpu_ns_per_byte"])
-    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or cpu < 0:
-        raise _bad("link: 'cpu_ns_per_byte'", cpu, "a number >= 0", raw.mark_of("cpu_ns_per_byte"))
-    return Link(str(between[0]), str(between[1]), transport, bandwidth, latency, float(cpu), mark)
+    cpu, per_batch = (
+        raw.get(key, defaults[key]) for key in ("cpu_ns_per_byte", "cpu_us_per_batch")
+    )
+    for key, value in (("cpu_ns_per_byte", cpu), ("cpu_us_per_batch", per_batch)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise _bad(f"link: '{key}'", value, "a number >= 0", raw.mark_of(key))
+    return Link(
+        str(between[0]),
+        str(between[1]),
+        transport,
+        bandwidth,
+        latency,
+        float(cpu),
+        mark,
+        float(per_batch),
+    )
 
 
 def _end(doc: MMap, key: str, ids: list[str], default: str) -> str:
@@ -403,17 +419,39 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
         measured = None
     if measured is not None:
         return Link(
-            a, b, transport, measured.bandwidth, measured.latency_ms, measured.cpu_ns_per_byte
+            a,
+            b,
+            transport,
+            measured.bandwidth,
+            measured.latency_ms,
+            measured.cpu_ns_per_byte,
+            cpu_us_per_batch=measured.cpu_us_per_batch,
         )
     d = TRANSPORTS[transport]
-    return Link(a, b, transport, bandwidth, d["latency_ms"], d["cpu_ns_per_byte"])
+    return Link(
+        a,
+        b,
+        transport,
+        bandwidth,
+        d["latency_ms"],
+        d["cpu_ns_per_byte"],
+        cpu_us_per_batch=d["cpu_us_per_batch"],
+    )
 
 
 def local_topology(
-    *, emulate_dpu: bool = True, gpu: bool | None = None, dpu_share: float = 0.5
+    *,
+    emulate_dpu: bool = True,
+    gpu: bool | None = None,
+    dpu_share: float = 0.5,
+    ingress: str = "cpu",
 ) -> Topology:
     """The machine this runs on: host cpu, an emulated dpu0 on loopback, gpu0 if CUDA works
     (`gpu` True or False forces it in or out; its profile follows its name, `_gpu_profile`).
+
+    `ingress` is where the items are: on the host for `run` and a Session (this process reads
+    them and sends what the DPU stage needs to the agent), so a plan pays for moving them to
+    the DPU; `"dpu0"` when the agent itself receives the requests (serving).
 
     The emulated DPU is the agent daemon pinned to a share of the host's cores; those cores are
     taken from the host's count so that the planner does not count them twice. Each device's
@@ -447,7 +485,7 @@ def local_topology(
         "local",
         tuple(devices),
         tuple(links),
-        ingress="dpu0" if dpu_cores else "cpu",
+        ingress=ingress if ingress in ids else "cpu",
         egress="gpu0" if "gpu0" in ids else "cpu",
         source="local",
     )

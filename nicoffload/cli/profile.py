@@ -75,5 +75,5 @@ def profile(
     for name, link in sorted(result.links.items()):
         typer.echo(
             f"  link {name:<25} {link.latency_ms * 1e3:6.1f} us, {link.bandwidth * 8 / 1e9:6.1f} Gb/s, "
-            f"{link.cpu_ns_per_byte:.3f} ns CPU/byte per end"
+            f"CPU per end {link.cpu_us_per_batch:.1f} us/batch + {link.cpu_ns_per_byte:.3f} ns/byte"
         )

@@ -194,7 +194,7 @@ def _graph(
         ms = 0.0
         for r in inputs:
             if d != model.ingress:
-                load += r.nbytes * model.route_load[model.ingress, d]
+                load += model.ref_load(r)[model.ingress, d]
             ms = max(ms, model.ref_time(r, model.ingress, d))
         arc(0, 0, d, 0, load, ms)
     for i, v in enumerate(comp):
@@ -215,7 +215,7 @@ def _graph(
                         dests.add(d)
                         ms = max(ms, model.ref_time(r, s, d))
                     for e in dests - {s}:
-                        load += r.nbytes * model.route_load[s, e]
+                        load += model.ref_load(r)[s, e]
                 p = i + 1 - q
                 if d != s and q:  # the run on s ends at i
                     load[s] += settled(p, i, s)

@@ -94,6 +94,7 @@ class CostModel:
     groups: tuple[Group, ...]
     refs: tuple[TensorRef, ...]
     route_load: np.ndarray  # (D, D, R) load per byte sent s -> d: link ms, endpoint core-ms
+    route_fixed: np.ndarray  # (D, D, R) and per item whatever its size: endpoint core-ms
     route_ms: np.ndarray  # (D, D) latency of the route
     route_ms_per_byte: np.ndarray  # (D, D)
     mem: np.ndarray  # (n,) bytes of buffers a node needs on its device
@@ -109,6 +110,11 @@ class CostModel:
     @property
     def allowed(self) -> np.ndarray:
         return np.isfinite(self.cost)
+
+    def ref_load(self, r: TensorRef) -> np.ndarray:
+        """(D, D, R) what sending `r` s -> d loads each resource per item: its bytes on the
+        links and at each CPU end, and each end's per-batch cost shared by a batch's items."""
+        return r.nbytes * self.route_load + self.route_fixed
 
     def ref_time(self, r: TensorRef, s: int, d: int) -> float:
         return (
@@ -201,11 +207,12 @@ class Routes:
     resources: tuple[str, ...]
     divisor: np.ndarray  # (R,) a device's parallel capacity; 1 for a link
     load: np.ndarray  # (D, D, R) per byte sent s -> d: link ms, and endpoint CPU core-ms
+    fixed: np.ndarray  # (D, D, R) per item: endpoint CPU core-ms of the per-batch costs
     ms: np.ndarray  # (D, D) latency of the route
     ms_per_byte: np.ndarray  # (D, D)
 
 
-def routes(topology: Topology) -> Routes:
+def routes(topology: Topology, batch_size: int = 1) -> Routes:
     ids = topology.ids
     paths = {(a, b): topology.route(a, b) for a in ids for b in ids}
     hops = sorted(
@@ -215,6 +222,7 @@ def routes(topology: Topology) -> Routes:
     resources = (*ids, *hops)
     D, R = len(ids), len(resources)
     load = np.zeros((D, D, R))
+    fixed = np.zeros((D, D, R))
     ms = np.zeros((D, D))
     per_byte = np.zeros((D, D))
     for (a, b), path in paths.items():
@@ -227,8 +235,9 @@ def routes(topology: Topology) -> Routes:
             for end in (hop.src, hop.dst):
                 if topology.device(end).kind != "gpu":
                     load[s, t, ids.index(end)] += link.cpu_ns_per_byte * 1e-6
+                    fixed[s, t, ids.index(end)] += link.cpu_us_per_batch * 1e-3 / batch_size
     divisor = np.array([d.capacity for d in topology.devices] + [1.0] * len(hops))
-    return Routes(resources, divisor, load, ms, per_byte)
+    return Routes(resources, divisor, load, fixed, ms, per_byte)
 
 
 def _groups(
@@ -271,7 +280,7 @@ def build_model(
     """Reduce the planning problem to arrays. `profiles` maps device id -> its Profile."""
     ids = topology.ids
     D = len(ids)
-    rt = routes(topology)
+    rt = routes(topology, pipeline.batch_max_size)
     work_by_name = effective_work(pipeline)
     names = [n.name for n in pipeline.nodes]
     work = np.array([work_by_name[n] for n in names])
@@ -331,6 +340,7 @@ def build_model(
         groups=tuple(groups),
         refs=tuple(refs),
         route_load=rt.load,
+        route_fixed=rt.fixed,
         route_ms=rt.ms,
         route_ms_per_byte=rt.ms_per_byte,
         mem=mem,

@@ -95,7 +95,7 @@ def solve_chain(
         vec = np.zeros(K)
         for r in inputs:
             if model.ingress != d:
-                vec[:R] += r.nbytes * model.route_load[model.ingress, d]
+                vec[:R] += model.ref_load(r)[model.ingress, d]
                 vec[T] = max(vec[T], model.ref_time(r, model.ingress, d))
         vecs = vec[None, :]
         key = (d, _place(model, vecs, 0, d, 0, fused, cut))
@@ -118,7 +118,7 @@ def solve_chain(
                         deliver = new[:, T] + model.ref_time(r, d, model.egress)
                         new[:, LAT] = np.maximum(new[:, LAT], deliver)
                     for dest in dests - {d}:
-                        new[:, :R] += r.nbytes * model.route_load[d, dest]
+                        new[:, :R] += model.ref_load(r)[d, dest]
                 if t is None:
                     grown.setdefault((d, v), []).append((new, placed))
                     continue

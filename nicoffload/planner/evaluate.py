@@ -92,7 +92,7 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
         if r.output:
             dest[:, model.egress] = True
         dest[rows, src] = False
-        work += r.nbytes * np.einsum("md,mdr->mr", dest, model.route_load[src])
+        work += np.einsum("md,mdr->mr", dest, model.ref_load(r)[src])
     for v in range(n):
         for r in model.refs:
             if v in r.consumers:

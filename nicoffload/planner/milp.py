@@ -141,7 +141,7 @@ def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.nd
                 b.row({y[d]: 1.0, **src_here}, lo=1.0)
             need[d] = src_here
         for k in range(R):
-            rows = r.nbytes * model.route_load[:, :, k]
+            rows = model.ref_load(r)[:, :, k]
             if not any(rows[s, d] for s in srcs for d in y):
                 continue
             if fixed:

@@ -49,6 +49,7 @@ def random_topology(rng: np.random.Generator) -> Topology:
             float(10 ** rng.uniform(8, 11)),
             float(rng.uniform(0, 0.2)),
             float(rng.choice([0.0, 0.0, 0.1, 0.5])),
+            cpu_us_per_batch=float(rng.choice([0.0, 0.0, 30.0, 300.0])),
         )
         for a, b in sorted(pairs)
     )
@@ -70,6 +71,7 @@ def _model(topo, rt, cost, groups, refs, mem, mem_cap) -> CostModel:
         groups=tuple(groups),
         refs=tuple(refs),
         route_load=rt.load,
+        route_fixed=rt.fixed,
         route_ms=rt.ms,
         route_ms_per_byte=rt.ms_per_byte,
         mem=mem,
@@ -100,7 +102,7 @@ def random_model(seed: int, chain: bool | None = None) -> CostModel:
     """A random DAG (or chain) of up to 8 nodes on a random topology, with random profiles."""
     rng = np.random.default_rng(seed)
     topo = random_topology(rng)
-    rt = routes(topo)
+    rt = routes(topo, int(rng.choice([1, 8, 64])))
     D, n = len(topo.devices), int(rng.integers(1, 9))
     chain = bool(rng.random() < 0.5) if chain is None else chain
     preds = [
@@ -133,7 +135,7 @@ def random_branches(seed: int) -> CostModel:
     pipeline file lists them) or one after the other (then fused groups can exist)."""
     rng = np.random.default_rng(seed)
     topo = random_topology(rng)
-    rt = routes(topo)
+    rt = routes(topo, int(rng.choice([1, 8, 64])))
     D = len(topo.devices)
     kinds, n = [], 0
     while n < 8 and (not kinds or rng.random() < 0.7):

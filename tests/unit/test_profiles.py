@@ -23,7 +23,7 @@ def test_a_profile_round_trips_through_json(tmp_path: Path) -> None:
     p = Profile(
         "cpu",
         {"decode_image": KernelCost(0.1, 6e-6, "pixels", ((1000.0, 0.106),))},
-        {"tcp": LinkCost(0.03, 2.5e9, 0.25)},
+        {"tcp": LinkCost(0.03, 2.5e9, 0.25, 40.0), "shm": LinkCost(0.01, 1e10, 0.05)},
         {"cpu": "test"},
         "2026-01-01",
         "measured: test",
@@ -240,3 +240,23 @@ def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
         decoded = profiles._upstream(pipeline, "cpu", variants[0])["decode"]
         assert chain_work(pipeline, ["decode"]) == decoded.shape[0] * decoded.shape[1]
         assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin
+
+
+def test_a_profile_written_before_links_had_a_per_batch_cost_reads_as_zero(tmp_path: Path) -> None:
+    doc = Profile("cpu", {}, {"tcp": LinkCost(0.03, 2.5e9, 0.25, 40.0)}).to_json()
+    del doc["links"]["tcp"]["cpu_us_per_batch"]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert load_profile(tmp_path / "old.json").links["tcp"] == LinkCost(0.03, 2.5e9, 0.25, 0.0)
+
+
+def test_links_are_measured_through_nicoffloads_own_transports() -> None:
+    """A real exchange over the keyed tcp transport and over shm: bytes cost CPU on tcp (each
+    end copies and MACs them), and each batch costs something on both."""
+    from nicoffload import profiling
+
+    wall, cpu = profiling.exchange("tcp", 1 << 16, 20)
+    assert wall > 0 and cpu > 0
+    per_batch_us, per_byte_ns = profiling.fit_per_batch([(0, 50e-6), (1000, 51e-6), (2000, 52e-6)])
+    assert per_batch_us == pytest.approx(50.0) and per_byte_ns == pytest.approx(1.0)
+    wall, cpu = profiling.exchange("shm", 1 << 16, 20)
+    assert wall > 0 and cpu > 0

@@ -45,8 +45,16 @@ def test_a_topology_file_gives_devices_links_and_ingress(tmp_path: Path) -> None
     assert topo.device("gpu0").capacity == 1.0
     rdma = topo.links[0]
     assert rdma.bandwidth == pytest.approx(50e9) and rdma.latency_ms == pytest.approx(0.003)
-    assert rdma.cpu_ns_per_byte == 0.0
+    assert rdma.cpu_ns_per_byte == 0.0 and rdma.cpu_us_per_batch == 0.0
     assert topo.device("dpu0").profile.endswith("bluefield3-arm.json")
+
+
+def test_a_link_may_say_what_it_costs_the_cpu_per_byte_and_per_batch(tmp_path: Path) -> None:
+    text = GOOD.replace(
+        "latency: 3us}", "latency: 3us, cpu_ns_per_byte: 0.5, cpu_us_per_batch: 12}"
+    )
+    link = load_topology(_write(tmp_path, text)).links[0]
+    assert (link.cpu_ns_per_byte, link.cpu_us_per_batch) == (0.5, 12.0)
 
 
 def test_a_route_without_a_direct_link_goes_through_the_host(tmp_path: Path) -> None:
@@ -80,6 +88,7 @@ def test_times_and_sizes_have_units() -> None:
         ("transport: rdma,", "transport: rmda,", "rmda", "unknown transport 'rmda'"),
         ("bandwidth: 64GB/s", "bandwidth: quick", "quick", "'bandwidth' must be a rate"),
         ("latency: 3us", "latency: soon", "soon", "'latency' must be a time"),
+        ("latency: 3us", "latency: 3us, cpu_us_per_batch: -5", "-5", "'cpu_us_per_batch'"),
         ("ingress: dpu0", "ingress: dpu9", "dpu9", "unknown device 'dpu9'"),
         ("gpu0: {kind: gpu}", "gpu0: {kind: gpu, colour: red}", "colour", "unknown key 'colour'"),
         ("profile: bluefield3-arm", "profile: bluefield9", "bluefield9", "profile 'bluefield9'"),
@@ -149,7 +158,10 @@ def test_the_local_machine_has_a_host_cpu_and_an_emulated_dpu_sharing_its_cores(
         dpu = topo.device("dpu0")
         assert dpu.emulated and dpu.kind == "dpu"
         assert topo.device("cpu").cores + dpu.cores == n
-        assert topo.ingress == "dpu0" and topo.links[0].transport == "tcp"
+        assert topo.links[0].transport == "tcp"
+        # the items of `run` are in this process: moving them to the DPU is priced
+        assert topo.ingress == "cpu"
+        assert local_topology(gpu=False, ingress="dpu0").ingress == "dpu0"  # serving
     assert topo.egress == "cpu"
 
 
