@@ -51,7 +51,9 @@ class LinkCost:
     latency_ms: float
     bandwidth: float  # bytes per second, each direction
     cpu_ns_per_byte: float  # CPU time at each CPU endpoint
-    cpu_us_per_batch: float = 0.0  # and per batch (frames, credits, the MAC's fixed part)
+    # and per batch (frames, credits, the MAC's fixed part); None in a profile measured before
+    # links were measured through nicoffload's own transports (its CPU figures are raw sockets')
+    cpu_us_per_batch: float | None = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,9 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             _number(body, "bandwidth_bytes_per_s", where, source) or 1.0,
             _number(body, "cpu_ns_per_byte", where, source),
             # profiles written before it was measured lack it
-            _number(body, "cpu_us_per_batch", where, source) if "cpu_us_per_batch" in body else 0.0,
+            _number(body, "cpu_us_per_batch", where, source)
+            if "cpu_us_per_batch" in body
+            else None,
         )
     return Profile(
         kind,

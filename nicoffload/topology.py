@@ -417,7 +417,8 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
         measured = load_profile(profile).links.get(transport)
     except ProfileError:
         measured = None
-    if measured is not None:
+    d = TRANSPORTS[transport]
+    if measured is not None and measured.cpu_us_per_batch is not None:
         return Link(
             a,
             b,
@@ -427,7 +428,16 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
             measured.cpu_ns_per_byte,
             cpu_us_per_batch=measured.cpu_us_per_batch,
         )
-    d = TRANSPORTS[transport]
+    if measured is not None:  # measured with raw sockets: its CPU figures leave out our own
+        return Link(
+            a,
+            b,
+            transport,
+            measured.bandwidth,
+            measured.latency_ms,
+            d["cpu_ns_per_byte"],
+            cpu_us_per_batch=d["cpu_us_per_batch"],
+        )
     return Link(
         a,
         b,

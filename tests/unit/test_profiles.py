@@ -242,11 +242,27 @@ def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
         assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin
 
 
-def test_a_profile_written_before_links_had_a_per_batch_cost_reads_as_zero(tmp_path: Path) -> None:
-    doc = Profile("cpu", {}, {"tcp": LinkCost(0.03, 2.5e9, 0.25, 40.0)}).to_json()
+def test_a_profile_measured_before_links_had_a_per_batch_cost_is_not_trusted_for_cpu(
+    tmp_path: Path,
+) -> None:
+    """Such a profile measured raw sockets: the local topology keeps its bandwidth and latency
+    but prices CPU by the transport's defaults (nicoffload's own transports, MAC'd)."""
+    from nicoffload import topology
+
+    doc = Profile("cpu", {}, {"tcp": LinkCost(0.03, 2.5e9, 0.19, 40.0)}).to_json()
     del doc["links"]["tcp"]["cpu_us_per_batch"]
     (tmp_path / "old.json").write_text(json.dumps(doc))
-    assert load_profile(tmp_path / "old.json").links["tcp"] == LinkCost(0.03, 2.5e9, 0.25, 0.0)
+    assert load_profile(tmp_path / "old.json").links["tcp"].cpu_us_per_batch is None
+    link = topology._measured_link("dpu0", "cpu", "tcp", str(tmp_path / "old.json"), 1.0)
+    defaults = topology.TRANSPORTS["tcp"]
+    assert (link.bandwidth, link.latency_ms) == (2.5e9, 0.03)
+    assert link.cpu_ns_per_byte == defaults["cpu_ns_per_byte"]
+    assert link.cpu_us_per_batch == defaults["cpu_us_per_batch"]
+    (tmp_path / "new.json").write_text(
+        json.dumps(Profile("cpu", {}, {"tcp": LinkCost(0.03, 2.5e9, 0.19, 40.0)}).to_json())
+    )
+    link = topology._measured_link("dpu0", "cpu", "tcp", str(tmp_path / "new.json"), 1.0)
+    assert (link.cpu_ns_per_byte, link.cpu_us_per_batch) == (0.19, 40.0)
 
 
 def test_links_are_measured_through_nicoffloads_own_transports() -> None:
