@@ -168,15 +168,20 @@ def resample(src, xs, xw, yb, yw, oy0, oy1, ox0, ox1, lut, dst, dy, dx, mode):
         for x in range(nx):  # horizontal pass, the block's rows and channels as lanes
             hacc[:] = _HALF
             j0 = xs[ox0 + x] - sx0
-            for k in range(taps):
-                w = xw[ox0 + x, k]
-                col = block[j0 + k]
+            for k in range(0, taps - 1, 2):  # two taps per sweep over hacc
+                w0, w1 = xw[ox0 + x, k], xw[ox0 + x, k + 1]
+                c0, c1 = block[j0 + k], block[j0 + k + 1]
                 if lanes == LANES:
                     for i in range(LANES):
-                        hacc[i] += np.int32(col[i]) * w
+                        hacc[i] += np.int32(c0[i]) * w0 + np.int32(c1[i]) * w1
                 else:
                     for i in range(lanes):
-                        hacc[i] += np.int32(col[i]) * w
+                        hacc[i] += np.int32(c0[i]) * w0 + np.int32(c1[i]) * w1
+            if taps % 2:
+                w0 = xw[ox0 + x, taps - 1]
+                c0 = block[j0 + taps - 1]
+                for i in range(lanes):
+                    hacc[i] += np.int32(c0[i]) * w0
             hb = hblock[x]
             for i in range(lanes):
                 hb[i] = _clip8(hacc[i])
