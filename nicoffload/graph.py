@@ -6,8 +6,10 @@ cycles, unused nodes, and dtype/shape inference across every edge.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,3 +323,26 @@ def _check_all_used(
 def load_pipeline(path: str | Path, tokenizer_dir: str | None = None) -> Pipeline:
     """Read, check and build a pipeline file (`tokenizer_dir`: see build_pipeline)."""
     return build_pipeline(parse_spec(path), tokenizer_dir)
+
+
+def with_typical(pipeline: Pipeline, typical: Mapping[str, Mapping[str, int]]) -> Pipeline:
+    """The pipeline with these inputs' typical sizes (`sizes.typical_of`) in place of its own,
+    every node's TensorSpecs inferred again from them: what the planner prices."""
+    inputs = dict(pipeline.inputs)
+    for name, t in typical.items():
+        old = inputs[name]
+        hints = dict(old.hints)
+        kind = "text" if old.dtype == "str" else "bytes"
+        fmt = hints.get("format")
+        inputs[name] = _input_spec(kind, None if fmt in (None, "any") else str(fmt), dict(t))
+    built: dict[str, Node] = {}
+    for node in pipeline.nodes:
+        in_specs = tuple(
+            inputs[r.source] if r.is_input else built[r.source].out_specs[r.port]
+            for r in node.inputs
+        )
+        out_specs = node.opdef().infer(node.params, in_specs)
+        built[node.name] = dataclasses.replace(node, in_specs=in_specs, out_specs=out_specs)
+    return dataclasses.replace(
+        pipeline, inputs=inputs, nodes=tuple(built[n.name] for n in pipeline.nodes)
+    )

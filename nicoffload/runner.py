@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,10 @@ def prepare(
     plan: Plan | str | Path | None = None,
     topology: Topology | str | Path | None = None,
     token_file: str | Path | None = None,
+    typical: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Prepared:
-    """The pipeline and the plan to run it with: the given plan, else one planned now.
+    """The pipeline and the plan to run it with: the given plan, else one planned now (priced
+    at `typical`, the sizes of the run's inputs, where known: `sizes.typical_of`).
 
     Without a topology the local machine is planned for: the host CPU plus an emulated DPU
     (a local agent on loopback, pinned to a share of the cores), and the GPU if CUDA works.
@@ -134,7 +137,9 @@ def prepare(
         # Only plans of a shape the executor runs (the planner's note says what the best plan
         # overall would have been, when it is of another shape).
         topology = topology if topology is not None else local_topology()
-        plan = plan_for(pipeline, topology, runnable=True)
+        plan = plan_for(priced_at(pipeline, typical), topology, runnable=True)
+        if typical:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, typical_note(typical)))
     elif not isinstance(plan, Plan):
         source = str(plan)
         plan = Plan.load(plan)
@@ -147,6 +152,19 @@ def prepare(
     if source is not None:
         check_plan_devices(prep, source)
     return prep
+
+
+def priced_at(pipeline: Pipeline, typical: Mapping[str, Mapping[str, int]] | None) -> Pipeline:
+    """The pipeline the planner prices: with the inputs' measured sizes, where known."""
+    from nicoffload.graph import with_typical
+
+    return with_typical(pipeline, typical) if typical else pipeline
+
+
+def typical_note(typical: Mapping[str, Mapping[str, int]]) -> str:
+    from nicoffload.sizes import describe
+
+    return describe(typical)
 
 
 def check_plan_devices(prep: Prepared, plan_file: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,12 @@ def plan(
         help="seconds for the whole search (plan, then runner-up). Chains are exact at once; a "
         "DAG's MILP that reaches the limit returns its best plan and a note with the proven gap",
     ),
+    input_dir: Path | None = typer.Option(
+        None,
+        "--input",
+        help="price items at the sizes of this folder's files (as `run --input` reads them; "
+        "JPEG sizes from their headers) instead of the pipeline's `typical`",
+    ),
     runnable: bool | None = typer.Option(
         None,
         "--runnable/--any-shape",
@@ -213,6 +220,15 @@ def plan(
         if value is not None and value <= 0:
             raise PlanError(f"{flag} must be a positive number, got {value:g}")
     pl = load_pipeline(pipeline)
+    typical = None
+    if input_dir is not None:
+        from nicoffload.inputs import dir_items
+        from nicoffload.runner import priced_at, typical_note
+        from nicoffload.sizes import typical_of
+
+        with busy("reading the inputs' sizes"):
+            typical = typical_of(pl, dir_items(pl, input_dir)[1])
+        pl = priced_at(pl, typical)
     with busy(f"planning {len(pl.nodes)} nodes for {objective}"):
         the_plan = plan_for(
             pl,
@@ -225,6 +241,8 @@ def plan(
             time_limit_s=time_limit,
             runnable=topology is None if runnable is None else runnable,
         )
+    if typical:
+        the_plan = dataclasses.replace(the_plan, notes=(*the_plan.notes, typical_note(typical)))
     if output is not None:
         the_plan.save(output)
     from nicoffload.transport import gpudirect

@@ -13,10 +13,12 @@ from rich.table import Table
 
 from nicoffload.cli import app, busy, emit_json, handle_errors
 from nicoffload.errors import Mark, RunFailed, UserError
+from nicoffload.graph import load_pipeline
 from nicoffload.inputs import dir_items, sample_items
 from nicoffload.outputs import OutputWriter
 from nicoffload.runner import RunStats, prepare
 from nicoffload.session import stream
+from nicoffload.sizes import typical_of
 
 
 def summary_table(stats: RunStats) -> Table:
@@ -168,16 +170,20 @@ def run(
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
     check_token_file(token_file)
-    with busy("planning" if plan is None else "loading the plan"):
-        prep = prepare(pipeline, plan, topology, token_file)
-    pl = prep.pipeline
+    pl = load_pipeline(pipeline)
     err = Console(stderr=True)
     if sample is not None:
         with err.status(f"making {sample} sample items"):
-            items = sample_items(pl, sample, seed)
+            items: Any = sample_items(pl, sample, seed)
         count = len(items)
     else:
         count, items = dir_items(pl, input_dir)
+    typical = None
+    if plan is None:  # planned for the sizes of these items, read from their headers
+        with busy("reading the inputs' sizes"):
+            typical = typical_of(pl, items if sample is not None else dir_items(pl, input_dir)[1])
+    with busy("planning" if plan is None else "loading the plan"):
+        prep = prepare(pl, plan, topology, token_file, typical)
     stats = RunStats()
     progress = Progress(
         TextColumn("[bold]{task.description}"),
