@@ -5,7 +5,9 @@ the DPU, and the planner's throughput and host-cpu plans; the GPU ones where a G
 session is opened once (its set-up reported on its own), warmed with one call, then timed over
 `--rounds` calls of the whole corpus: items/s, host CPU ms/item (this process), agent CPU
 ms/item (the local agent's process, which emulates the DPU on its own cores), and what the plan
-predicted beside each. Ratios are against the all-host placement of the same run.
+predicted beside each; first with `run` (every output copied into one RunResult), then with
+`stream` (each batch read in place, as a serving loop does: no copy of the outputs). Ratios are
+against the all-host placement of the same run.
 
     python bench/bench_offload.py [--items 256] [--rounds 2] [--json] [--out FILE.json]
 
@@ -23,6 +25,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,17 +74,32 @@ def placements(pipeline, topology) -> dict[str, Plan]:
     return out
 
 
+def timed(
+    session, images: list[bytes], rounds: int, stream: bool
+) -> tuple[float, float, float, Any]:
+    """(wall s, host CPU s, agent CPU s, the last call's stats) of `rounds` calls: `run` (every
+    output copied into one RunResult) or `stream` (each batch read in place, as a serving loop
+    does). Every item must come out ok."""
+    cpu0, agent0, t0 = time.process_time(), agent_cpu_s(), time.perf_counter()
+    for _ in range(rounds):
+        if stream:
+            stats = nicoffload.RunStats()
+            for batch in session.stream(images, stats):
+                assert batch.ok.all(), [f.reason for f in batch.failures]
+        else:
+            result = session.run(images)
+            assert result.ok.all(), result.stats.errors_by_reason
+            stats = result.stats
+    wall = time.perf_counter() - t0
+    return wall, time.process_time() - cpu0, agent_cpu_s() - agent0, stats
+
+
 def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) -> dict:
     with nicoffload.open(pipeline, plan, topology) as session:
         session.run(images[: max(64, len(images) // 4)])  # warm: kernels, caches, the agent
-        cpu0, agent0, t0 = time.process_time(), agent_cpu_s(), time.perf_counter()
-        items = 0
-        for _ in range(rounds):
-            result = session.run(images)
-            items += len(result.names)
-            assert result.ok.all(), result.stats.errors_by_reason
-        wall = time.perf_counter() - t0
-        host, agent = time.process_time() - cpu0, agent_cpu_s() - agent0
+        items = rounds * len(images)
+        wall, host, agent, stats = timed(session, images, rounds, stream=False)
+        s_wall, s_host, s_agent, _ = timed(session, images, rounds, stream=True)
         pred = plan.predicted
         return {
             "placement": dict(plan.placement),
@@ -89,11 +107,14 @@ def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) ->
             "items_per_s": round(items / wall, 1),
             "host_cpu_ms_per_item": round(host * 1e3 / items, 3),
             "agent_cpu_ms_per_item": round(agent * 1e3 / items, 3),
+            "stream_items_per_s": round(items / s_wall, 1),
+            "stream_host_cpu_ms_per_item": round(s_host * 1e3 / items, 3),
+            "stream_agent_cpu_ms_per_item": round(s_agent * 1e3 / items, 3),
             "predicted_items_per_s": None if pred is None else round(pred.throughput_per_s, 1),
             "predicted_host_cpu_ms_per_item": None
             if pred is None
             else round(pred.host_cpu_ms_per_item, 3),
-            "failover": result.stats.failover,
+            "failover": stats.failover,
         }
 
 
@@ -121,10 +142,13 @@ def main() -> int:
     doc["load_after"] = loadavg()
     base = doc["placements"]["all host"]
     for row in doc["placements"].values():
-        row["throughput_vs_all_host"] = round(row["items_per_s"] / base["items_per_s"], 3)
-        row["host_cpu_vs_all_host"] = round(
-            row["host_cpu_ms_per_item"] / base["host_cpu_ms_per_item"], 3
-        )
+        for how in ("", "stream_"):
+            row[f"{how}throughput_vs_all_host"] = round(
+                row[f"{how}items_per_s"] / base[f"{how}items_per_s"], 3
+            )
+            row[f"{how}host_cpu_vs_all_host"] = round(
+                row[f"{how}host_cpu_ms_per_item"] / base[f"{how}host_cpu_ms_per_item"], 3
+            )
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     if args.json:
@@ -139,6 +163,16 @@ def main() -> int:
             f"{r['throughput_vs_all_host']:7.2f} {r['host_cpu_ms_per_item']:8.3f} "
             f"{r['predicted_host_cpu_ms_per_item'] or 0:6.3f} {r['host_cpu_vs_all_host']:7.2f} "
             f"{r['agent_cpu_ms_per_item']:8.3f} {r['setup_s']:7.2f}"
+        )
+    print("stream() (each batch read in place):")
+    print(
+        f"{'placement':28} {'items/s':>8} {'x host':>7} {'host ms':>8} {'x host':>7} {'agent ms':>8}"
+    )
+    for name, r in doc["placements"].items():
+        print(
+            f"{name:28} {r['stream_items_per_s']:8.1f} {r['stream_throughput_vs_all_host']:7.2f} "
+            f"{r['stream_host_cpu_ms_per_item']:8.3f} {r['stream_host_cpu_vs_all_host']:7.2f} "
+            f"{r['stream_agent_cpu_ms_per_item']:8.3f}"
         )
     return 0
 
