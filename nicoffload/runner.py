@@ -16,7 +16,7 @@ import numpy as np
 
 from nicoffload.errors import DeviceError, Mark, UserError
 from nicoffload.graph import Pipeline, load_pipeline
-from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.planner.plan import Plan
 from nicoffload.runtime.executor import ItemFailure
 from nicoffload.runtime.remote import RemoteFront
 from nicoffload.topology import Topology
@@ -148,6 +148,10 @@ def prepare(
         source = "<plan>"
     if topology is None and plan.topology == "local":
         topology = local_topology()
+    from nicoffload.planner import physical
+
+    # a plan file written before the physical decisions were in plans gets them now
+    plan = physical.complete(pipeline, plan, topology)
     prep = Prepared(pipeline, plan, topology, token_file)
     if source is not None:
         check_plan_devices(prep, source)
@@ -217,24 +221,18 @@ def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
         from nicoffload.devices.gpu import device as gpu_device
 
         gpu = gpu_device()
+    from nicoffload.planner import physical
+
+    plan = physical.complete(prep.pipeline, prep.plan, prep.topology)
+    decided = physical.of_stage(plan, first)  # the runtime's choices are the plan's
     with _open(
         prep.pipeline,
-        prep.plan,
+        plan,
         first,
         device,
-        transport=_transport(prep, first),
+        transport=str(decided["scheme"]),
+        slots=int(decided["slots"]),
         token_file=prep.token_file,
         gpu=gpu,
     ) as front:
         yield front
-
-
-def _transport(prep: Prepared, first: StagePlan) -> str:
-    """The scheme the DPU stage forwards over: the plan's transfer, else the topology's link."""
-    out = next((t for t in prep.plan.transfers if t.src_stage == first.name), None)
-    link = out.transport.split("+")[0] if out is not None else "tcp"
-    if link == "inproc" and out is not None and prep.topology is not None:
-        dst = next(s.device for s in prep.plan.stages if s.name == out.dst_stage)
-        ends = {first.device, dst}
-        link = next((ln.transport for ln in prep.topology.links if {ln.a, ln.b} == ends), "tcp")
-    return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"

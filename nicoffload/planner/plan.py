@@ -67,6 +67,9 @@ class Plan:
     # how it was found: method, seconds, time_limit_s, and the proven relative gap of the
     # objective and of its tie-break (0: optimal; None: nothing proven)
     search: dict[str, Any] = field(default_factory=dict)
+    # per stage that sends its outputs to another process (a DPU stage): scheme, slots,
+    # slot_bytes, batch_max_size, batch_max_wait_ms (`planner.physical`): what the runtime uses
+    physical: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -96,6 +99,7 @@ class Plan:
                 loads=dict(doc.get("loads", {})),
                 explain=dict(doc.get("explain", {})),
                 search=dict(doc.get("search", {})),
+                physical={k: dict(v) for k, v in doc.get("physical", {}).items()},
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise PlanError(f"not a nicoffload plan: {exc!r}", Mark(source, 1, 1)) from None

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.errors import Mark, PlanError
+from nicoffload.errors import DeviceError, Mark, PlanError
 from nicoffload.graph import Pipeline
+from nicoffload.planner import physical
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate
@@ -423,7 +424,7 @@ def make_plan(
     loads = {
         k: round(float(x), 6) for k, x in zip(model.resources, m.load[0], strict=True) if x > 0
     }
-    return Plan(
+    plan = Plan(
         pipeline=pipeline.name,
         placement=placement,
         stages=tuple(new_stages),
@@ -442,6 +443,10 @@ def make_plan(
         io_transfers=tuple(io),
         loads=loads,
     )
+    try:
+        return physical.complete(pipeline, plan, topology)
+    except DeviceError as exc:  # the run says so too, before any agent starts
+        return replace(plan, notes=(*plan.notes, f"not runnable as it is: {exc}"))
 
 
 def _io(

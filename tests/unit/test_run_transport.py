@@ -6,8 +6,9 @@ import pytest
 
 from nicoffload.errors import DeviceError
 from nicoffload.graph import load_pipeline
+from nicoffload.planner import physical
 from nicoffload.planner.plan import Plan, stages_for
-from nicoffload.runner import Prepared, _transport, open_front
+from nicoffload.runner import Prepared, open_front
 from nicoffload.topology import Device, Link, Topology
 from nicoffload.transport import verbs
 
@@ -35,7 +36,9 @@ def prepared(link: str) -> Prepared:
 )
 def test_the_topology_link_decides_the_transport(link, scheme):
     prep = prepared(link)
-    assert _transport(prep, prep.plan.stages[0]) == scheme
+    plan = physical.complete(prep.pipeline, prep.plan, prep.topology)
+    assert physical.of_stage(plan, plan.stages[0])["scheme"] == scheme
+    assert plan.physical["s0-dpu0"]["slots"] == physical.RING_SLOTS
 
 
 def test_an_rdma_plan_without_an_rdma_device_fails_naming_the_device():

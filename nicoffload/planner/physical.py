@@ -1,0 +1,108 @@
+"""The Plan's physical decisions: for each stage whose outputs cross to another process (a DPU
+stage, through its agent), the transport scheme, the receiver's ring (slots x slot bytes) and
+the batch the agent forms; decided once, when the plan is made (or completed for a plan file
+written before), and read by the runtime from the Plan alone.
+
+A slot holds one batch of what the stage sends on (`leaving`): every static tensor at its
+size, every dynamic one at 4x its typical size (a larger item fails alone, as
+`slot_overflow`, and is run on the host), each tensor aligned, each row's offset aligned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from nicoffload.errors import DeviceError
+from nicoffload.graph import Pipeline, Ref, TensorSpec
+from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.topology import Topology
+from nicoffload.transport.frame import MAX_PAYLOAD
+from nicoffload.transport.slots import ALIGN
+
+RING_SLOTS = 4  # batches a receiver holds at once: in flight on the wire, waiting, being read
+DYNAMIC_ROOM = 4  # a dynamic tensor's room in a slot, as a multiple of its typical size
+SCHEMES = ("tcp", "shm", "rdma")
+
+
+def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:
+    """Value keys a stage produces that later stages or the outputs read."""
+    inside = set(stage.nodes)
+    keys = {str(r) for n in pipeline.nodes if n.name not in inside for r in n.inputs}
+    keys |= {str(r) for r in pipeline.outputs.values()}
+    return sorted(k for k in keys if k.split(".", 1)[0] in inside)
+
+
+def spec_of_key(pipeline: Pipeline, key: str) -> TensorSpec:
+    name, _, port = key.partition(".")
+    return pipeline.spec_of(Ref(name, port or "out"))
+
+
+def slot_bytes(specs: Mapping[str, TensorSpec], batch: int) -> int:
+    """One slot's bytes for a batch of `batch` items of these tensors."""
+    return sum(
+        -(-batch * s.typical_nbytes * (1 if s.static else DYNAMIC_ROOM) // ALIGN) * ALIGN
+        + batch * ALIGN
+        for s in specs.values()
+    )
+
+
+def scheme(plan: Plan, stage: StagePlan, topology: Topology | None) -> str:
+    """What the stage forwards over: its outgoing transfer's link (the planner names it; to the
+    next stage, else to the egress), else
+    the topology's link between the two devices, else tcp."""
+    out = next(
+        (t for t in (*plan.transfers, *plan.io_transfers) if t.src_stage == stage.name), None
+    )
+    link = out.transport.split("+")[0] if out is not None else "tcp"
+    if link == "inproc" and out is not None and topology is not None:
+        dst = next(s.device for s in plan.stages if s.name == out.dst_stage)
+        ends = {stage.device, dst}
+        link = next((ln.transport for ln in topology.links if {ln.a, ln.b} == ends), "tcp")
+    return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"
+
+
+def stage_physical(
+    pipeline: Pipeline, plan: Plan, stage: StagePlan, topology: Topology | None
+) -> dict[str, int | float | str]:
+    batch = pipeline.batch_max_size
+    specs = {k: spec_of_key(pipeline, k) for k in leaving(pipeline, stage)}
+    size = slot_bytes(specs, batch)
+    if size > MAX_PAYLOAD:
+        fits = next((b for b in range(batch - 1, 0, -1) if slot_bytes(specs, b) <= MAX_PAYLOAD), 0)
+        raise DeviceError(
+            f"stage '{stage.name}' on {stage.device}: a batch of what it sends on ({len(specs)} "
+            f"tensors, {batch} items, room for {DYNAMIC_ROOM}x each dynamic tensor's typical "
+            f"size) needs {size / 2**30:.1f} GiB per slot, past the wire format's "
+            f"{MAX_PAYLOAD / 2**30:.0f} GiB: "
+            + (
+                f"set `batch: {{max_size: {fits}}}` in the pipeline, or plan it elsewhere"
+                if fits
+                else "plan it elsewhere (not even one item fits)"
+            )
+        )
+    return {
+        "scheme": scheme(plan, stage, topology),
+        "slots": RING_SLOTS,
+        "slot_bytes": size,
+        "batch_max_size": batch,
+        "batch_max_wait_ms": pipeline.batch_max_wait_ms,
+    }
+
+
+def complete(pipeline: Pipeline, plan: Plan, topology: Topology | None) -> Plan:
+    """The plan with the physical decisions of each DPU stage it lacks (a plan file written
+    before they were part of it, a hand-made plan); DeviceError for a stage whose batch cannot
+    fit one slot."""
+    physical = dict(plan.physical)
+    for stage in plan.stages:
+        if stage.kind == "dpu" and stage.name not in physical:
+            physical[stage.name] = stage_physical(pipeline, plan, stage, topology)
+    if physical == plan.physical:
+        return plan
+    return dataclasses.replace(plan, physical=physical)
+
+
+def of_stage(plan: Plan, stage: StagePlan) -> dict[str, int | float | str]:
+    """The stage's physical decisions (KeyError for a plan not `complete`d)."""
+    return plan.physical[stage.name]
