@@ -18,7 +18,7 @@ import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -160,7 +160,8 @@ class Session:
         `items`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name
         to value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`."""
         stats = RunStats()
-        return collect(self.pipeline, self.stream(items, stats), stats)
+        n = len(items) if isinstance(items, Sized) else None
+        return collect(self.pipeline, self.stream(items, stats), stats, n)
 
     def dataset(self, items: Iterable[Any]) -> Any:
         """A PyTorch IterableDataset of this session's batches over `items` (a list, to iterate
@@ -218,12 +219,26 @@ def stream(
         yield from session.stream(items, stats)
 
 
-def collect(pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats) -> RunResult:
-    """A call's batches gathered into one RunResult (rows copied out of the reused slots)."""
+def collect(
+    pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats, n: int | None = None
+) -> RunResult:
+    """A call's batches gathered into one RunResult (rows copied out of the reused slots).
+    With `n`, the number of items when it is known, each static output is allocated once and
+    every batch copied straight into its rows (one copy, each page touched once); else each
+    batch is copied out and the copies concatenated at the end."""
     names: list[str] = []
+    specs = pipeline.output_specs()
     parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
+    whole: dict[str, np.ndarray] = {}
+    if n is not None:
+        whole = {
+            k: np.empty((n, *specs[k].shape), specs[k].dtype)
+            for k in pipeline.outputs
+            if specs[k].static
+        }
     on_gpu: dict[str, list[Any]] = {}
     oks, failures = [], []
+    at = 0
     for batch in batches:
         names.extend(batch.names)
         oks.append(batch.ok.copy())
@@ -235,11 +250,20 @@ def collect(pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats) -> Ru
             else:
                 host[k] = v
         for k, v in replace(batch, outputs=host).numpy().outputs.items():
-            parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
-    specs = pipeline.output_specs()
+            if k in whole and at + len(v) <= len(whole[k]):
+                whole[k][at : at + len(v)] = v
+                parts[k].append(None)  # already in place
+            else:
+                parts[k].append(v.copy() if isinstance(v, np.ndarray) else list(v))
+        at += len(batch.names)
     outputs: dict[str, Any] = {}
     for k, chunks in parts.items():
-        if specs[k].static:
+        if k in whole and all(c is None for c in chunks):
+            outputs[k] = whole[k][:at]
+        elif specs[k].static:
+            if k in whole:  # more items than announced: what went in place, then the rest
+                done = sum(1 for c in chunks if c is None)
+                chunks = [whole[k][: sum(len(b) for b in oks[:done])], *chunks[done:]]
             outputs[k] = (
                 np.concatenate(chunks) if chunks else np.zeros((0, *specs[k].shape), specs[k].dtype)
             )
