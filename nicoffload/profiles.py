@@ -66,6 +66,9 @@ class Profile:
     method: str = ""  # "measured: ..." or "estimate: ..."
     basis: str = ""  # for estimates: what the numbers are derived from
     source: str = "<memory>"
+    # the host runtime's own CPU per item outside the kernels (batching, queues, row status,
+    # handing batches out), measured through a real Session (`profiling.measure_runtime`)
+    runtime_us_per_item: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
         key = chain if isinstance(chain, str) else "+".join(chain)
@@ -94,10 +97,20 @@ class Profile:
                     "latency_ms": c.latency_ms,
                     "bandwidth_bytes_per_s": c.bandwidth,
                     "cpu_ns_per_byte": c.cpu_ns_per_byte,
-                    "cpu_us_per_batch": c.cpu_us_per_batch,
+                    # None (measured before it was): left out, and read back as None
+                    **(
+                        {}
+                        if c.cpu_us_per_batch is None
+                        else {"cpu_us_per_batch": c.cpu_us_per_batch}
+                    ),
                 }
                 for t, c in sorted(self.links.items())
             },
+            **(
+                {"runtime": {"host_us_per_item": self.runtime_us_per_item}}
+                if self.runtime_us_per_item is not None
+                else {}
+            ),
         }
 
     def save(self, path: str | Path) -> None:
@@ -167,7 +180,16 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
         str(doc.get("method", "")),
         str(doc.get("basis", "")),
         source,
+        _runtime(doc.get("runtime"), source),
     )
+
+
+def _runtime(body: Any, source: str) -> float | None:
+    if body is None:
+        return None
+    if not isinstance(body, dict):
+        raise ProfileError("'runtime' must be a mapping", Mark(source, 1, 1))
+    return _number(body, "host_us_per_item", "runtime", source)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -432,4 +454,9 @@ def measure(
         "them, CPU of both ends fitted a + b * bytes per batch"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return Profile(kind, kernels, links, machine_info(), date, method, "", "<measured>")
+    runtime = None
+    if kind == "cpu":
+        from nicoffload.profiling import measure_runtime
+
+        runtime = measure_runtime(quick=quick)
+    return Profile(kind, kernels, links, machine_info(), date, method, "", "<measured>", runtime)

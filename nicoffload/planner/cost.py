@@ -102,6 +102,10 @@ class CostModel:
     host: np.ndarray  # (D,) True for host CPU devices
     ingress: int
     egress: int
+    # the host runtime's own CPU per item, on the host that runs the Session (R,): the same
+    # for every placement, so it is left out of the search and added to the plan's figures
+    # (`runtime_load`); folding it into the solvers is the planner issue's (#20)
+    base: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -348,4 +352,23 @@ def build_model(
         host=np.array([d.kind == "cpu" for d in topology.devices]),
         ingress=ids.index(topology.ingress),
         egress=ids.index(topology.egress),
+        base=runtime_load(topology, profiles, len(rt.resources)),
     )
+
+
+def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:
+    """(R,) core-ms per item of the host runtime, on the host CPU that runs it: the ingress
+    when it is a CPU, else the first CPU device; from that device's profile (0 without one)."""
+    base = np.zeros(resources)
+    cpus = [d for d in topology.devices if d.kind == "cpu"]
+    if not cpus:
+        return base
+    host = (
+        topology.device(topology.ingress)
+        if topology.device(topology.ingress).kind == "cpu"
+        else cpus[0]
+    )
+    prof = profiles.get(host.id)
+    if prof is not None and prof.runtime_us_per_item is not None:
+        base[topology.ids.index(host.id)] = prof.runtime_us_per_item * 1e-3
+    return base

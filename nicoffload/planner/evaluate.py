@@ -121,6 +121,19 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
     )
 
 
+def figures(model: CostModel, m: Metrics, row: int = 0) -> dict[str, float]:
+    """A placement's predicted latency, throughput and host CPU: its metrics plus the host
+    runtime's own load per item (`CostModel.base`), the same for every placement."""
+    base = model.base if model.base is not None else np.zeros(len(model.resources))
+    bottleneck = float(((m.work[row] + base) / model.divisor).max())
+    D = len(model.devices)
+    return {
+        "latency_ms": round(float(m.latency[row]), 6),
+        "throughput_per_s": round(1e3 / bottleneck, 3) if bottleneck > 0 else 1e12,
+        "host_cpu_ms_per_item": round(float(m.host[row] + base[:D][model.host].sum()), 6),
+    }
+
+
 def _route_time(model: CostModel, nbytes: float, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return model.route_ms[src, dst] + nbytes * model.route_ms_per_byte[src, dst]
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from nicoffload.planner.cost import CostModel
-from nicoffload.planner.evaluate import REL_TOL, Goal, Metrics, evaluate
+from nicoffload.planner.evaluate import REL_TOL, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
 from nicoffload.topology import Topology
 
@@ -207,11 +207,7 @@ def explanation(
                 for name, a, b in zip(model.nodes, best, second, strict=True)
                 if a != b
             },
-            "predicted": {
-                "latency_ms": round(float(o.latency[0]), 6),
-                "throughput_per_s": round(1e3 / float(o.bottleneck[0]), 3),
-                "host_cpu_ms_per_item": round(float(o.host[0]), 6),
-            },
+            "predicted": figures(model, o),
             "bottleneck": resource(model, topology, o, int(np.argmax(o.load[0]))),
             **why_lost(model, topology, goal, m, o),
         }

@@ -18,7 +18,7 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner import physical
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
-from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate
+from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
 from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
 from nicoffload.profiles import Profile, load_profile
@@ -430,13 +430,7 @@ def make_plan(
         stages=tuple(new_stages),
         transfers=tuple(new_transfers),
         objective=goal.objective,
-        predicted=Predicted(
-            latency_ms=round(float(m.latency[0]), 6),
-            throughput_per_s=round(1e3 / float(m.bottleneck[0]), 3)
-            if m.bottleneck[0] > 0
-            else 1e12,
-            host_cpu_ms_per_item=round(float(m.host[0]), 6),
-        ),
+        predicted=_predicted(model, m),
         topology=topology.name,
         ingress=topology.ingress,
         egress=topology.egress,
@@ -447,6 +441,10 @@ def make_plan(
         return physical.complete(pipeline, plan, topology)
     except DeviceError as exc:  # the run says so too, before any agent starts
         return replace(plan, notes=(*plan.notes, f"not runnable as it is: {exc}"))
+
+
+def _predicted(model: CostModel, m: Metrics) -> Predicted:
+    return Predicted(**figures(model, m))
 
 
 def _io(

@@ -45,3 +45,33 @@ def test_each_batch_costs_the_host_its_share_and_each_byte_its_price(tmp_path: P
     assert _host_cpu(tmp_path, 0.0, 320.0, 64) - base == pytest.approx(2 * 0.320 / 64, rel=1e-6)
     crop, jpeg = 3 * 224 * 224 * 2, 110_000
     assert _host_cpu(tmp_path, 1.0, 0.0, 16) - base == pytest.approx((crop + jpeg) * 1e-6, rel=1e-3)
+
+
+def test_the_host_runtimes_own_cpu_per_item_is_in_every_plans_figures(tmp_path: Path) -> None:
+    """The profile's measured runtime overhead is added to the host's load: host CPU per item
+    and, when the host is the bottleneck, throughput."""
+    import json
+
+    from nicoffload.profiles import Profile, load_profile
+
+    shipped = load_profile(ROOT / "nicoffload" / "data" / "profiles" / "x86-server.json")
+    doc = Profile(
+        "cpu", shipped.kernels, shipped.links, method="measured: test", runtime_us_per_item=250.0
+    ).to_json()
+    assert doc["runtime"] == {"host_us_per_item": 250.0}
+    (tmp_path / "with.json").write_text(json.dumps(doc))
+    assert load_profile(tmp_path / "with.json").runtime_us_per_item == 250.0
+    topo = tmp_path / "host.yaml"
+    for name, profile in (("without", "x86-server"), ("with", str(tmp_path / "with.json"))):
+        topo.write_text(
+            f"name: h\ningress: cpu\ndevices:\n  cpu: {{kind: cpu, cores: 1, profile: {profile}}}\n"
+        )
+        plan = plan_for(load_pipeline(ROOT / "pipelines" / "resnet50.yaml"), str(topo))
+        if name == "without":
+            before = plan.predicted
+        else:
+            after = plan.predicted
+    assert after.host_cpu_ms_per_item - before.host_cpu_ms_per_item == pytest.approx(0.25, abs=1e-5)
+    assert 1e3 / after.throughput_per_s - 1e3 / before.throughput_per_s == pytest.approx(
+        0.25, rel=1e-3
+    )
