@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OBJECTIVES", "plan_for"]
+__all__ = ["OBJECTIVES", "plan_for", "plan_placement"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from nicoffload.planner.solve import plan_for
 
         return plan_for
+    if name == "plan_placement":
+        from nicoffload.planner.solve import plan_placement
+
+        return plan_placement
     if name == "OBJECTIVES":
         from nicoffload.planner.evaluate import OBJECTIVES
 

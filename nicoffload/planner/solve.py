@@ -325,6 +325,33 @@ def plan_for(
     return replace(plan, search=record)
 
 
+def plan_placement(
+    pipeline: Pipeline,
+    placement: dict[str, str],
+    topology: Topology | str | Path | None = None,
+    profile: ProfileArg = None,
+    catalog: Catalog | None = None,
+) -> Plan:
+    """The Plan of a placement chosen by hand (node -> device id), priced by the model as the
+    planner prices its own: what a pinned run is predicted to do."""
+    topo = resolve_topology(topology)
+    model = build_model(
+        pipeline, topo, resolve_profiles(topo, profile), catalog or Catalog.from_registry()
+    )
+    unknown = sorted(set(placement.values()) - set(model.devices))
+    if unknown or set(placement) != set(model.nodes):
+        raise PlanError(
+            f"the placement must name every node ({', '.join(model.nodes)}) on a device of "
+            f"topology '{topo.name}' ({', '.join(model.devices)})"
+        )
+    best = np.array([model.devices.index(placement[n]) for n in model.nodes], dtype=np.intp)
+    if not np.isfinite(model.cost[np.arange(model.n), best]).all():
+        bad = next(n for i, n in enumerate(model.nodes) if not np.isfinite(model.cost[i, best[i]]))
+        raise PlanError(f"node '{bad}' cannot run on '{placement[bad]}'")
+    plan = make_plan(pipeline, topo, model, Goal("throughput"), best)
+    return replace(plan, objective="pinned", notes=profile_notes(resolve_profiles(topo, profile)))
+
+
 def _search_record(
     chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float, shapes: bool
 ) -> dict:

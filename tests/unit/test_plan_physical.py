@@ -66,3 +66,16 @@ def test_a_batch_that_cannot_fit_one_slot_is_refused_with_the_batch_that_would(
     plan = Plan(big.name, place, stages, transfers, topology="local")
     with pytest.raises(DeviceError, match=r"set `batch: \{max_size: \d+\}`"):
         physical.complete(big, plan, None)
+
+
+def test_a_placement_chosen_by_hand_is_priced_as_the_planner_prices_its_own() -> None:
+    from nicoffload.errors import PlanError
+    from nicoffload.planner import plan_placement
+
+    topo = ROOT / "pipelines/topologies/bluefield3-h100.yaml"
+    best = plan_for(RESNET, topo)
+    again = plan_placement(RESNET, best.placement, topo)
+    assert again.predicted == best.predicted and again.placement == best.placement
+    assert again.physical == best.physical
+    with pytest.raises(PlanError, match="every node"):
+        plan_placement(RESNET, {"decode": "cpu"}, topo)
