@@ -136,6 +136,7 @@ def session_side_by_side(torch, images: list[bytes], n: int, rounds: int, mixed)
         out[f"{m}_vs_recipe"] = out[m]["items_per_s"] / out["recipe_torchvision"]["items_per_s"]
     out["second_call_first_batch_ms"] = first_batch_ms(session, items[: 4 * bs])
     out["mixed_corpus"] = mixed_run(session, mixed)
+    out["runtime_overhead_null_stage"] = runtime_overhead()
     out["decode_stats"] = vars(session.executor.gpu.stage.steps[0].fn.stats)
     session.close()
     stage.close()
@@ -236,3 +237,52 @@ def decoders(torch, images: list[bytes], sizes, n: int = 4096, reps: int = 3) ->
         res[f"batch{bs}"] = row
         print("decoders", bs, {m: v.get("items_per_s") for m, v in row.items()}, flush=True)
     return res
+
+
+def runtime_overhead(n: int = 20000, rounds: int = 2) -> dict:
+    """The host runtime's own cost around a GPU stage, without a GPU: the all-GPU plan through
+    the executor with a stage that does nothing (an (n, 1) output per batch), by the batch path
+    (gpu_direct) and by the general path (per-item tasks on host workers, rows collected)."""
+    import numpy as np
+
+    from nicoffload.graph import load_pipeline
+    from nicoffload.inputs import values_items
+    from nicoffload.planner.plan import single_device_plan
+    from nicoffload.runtime.executor import Executor
+
+    class Done:
+        def __init__(self, n: int) -> None:
+            self.n, self.failures, self.produced = n, {}, np.ones(n, bool)
+            self.outputs = {"norm": np.zeros((n, 1), np.float16)}
+
+    class NullStage:
+        inputs, outputs, steps = ["image"], ["norm"], []
+
+        def stream(self, batches):
+            for b in batches:
+                yield Done(len(b["image"]))
+
+        def close(self) -> None:
+            pass
+
+    pipeline = load_pipeline(RESNET)
+    plan = single_device_plan(pipeline, "gpu0")
+    items = [b"\xff\xd8" + bytes(100)] * n
+    out = {}
+    for path in ("batch", "general"):
+        ex = Executor(pipeline, plan, gpu_stage=NullStage())
+        if path == "general":
+            ex.direct = None  # what every all-GPU plan ran before gpu_direct
+        for _ in range(rounds):
+            c0, t0 = time.process_time(), time.perf_counter()
+            got = sum(len(b) for b in ex.stream(values_items(pipeline, items)))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        out[path] = {"items_per_s": round(got / wall), "host_cpu_ms_per_item": cpu * 1e3 / got}
+    return out
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python3 bench/gpu_session.py: the overhead alone
+    import json
+    import platform
+
+    print(json.dumps({"machine": platform.node(), "cores": os.cpu_count()} | runtime_overhead()))
