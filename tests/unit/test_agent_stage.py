@@ -186,6 +186,18 @@ def test_repeated_ids_in_a_batch_are_delivered_once(agent, rx) -> None:
         assert client.stats()["duplicates"] == 3
 
 
+def test_a_drain_waits_for_a_request_frame_still_being_read(agent, rx) -> None:
+    """A batch frame half read when the agent starts draining is not admitted yet: the drain
+    waits for it (it went on at once, the connection closed, and the whole batch failed over)."""
+    with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
+        load(client, BERT, rx.address)
+        (conn,) = [c for c in agent.admission.sessions() if c.session is not None]
+        conn.session.reading(1)  # as `Ingress._request` does before it reads a payload
+        assert not conn.session.drain(0.2)
+        conn.session.reading(-1)
+        assert conn.session.drain(WAIT_S)
+
+
 def test_backpressure_blocks_submit_until_the_receiver_releases(agent, rx) -> None:
     """2 slots held by the host, 3 batches in the agent, 8 credits: then submit must wait."""
     with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
