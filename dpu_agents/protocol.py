@@ -181,6 +181,8 @@ def request_sizes(header: Header, meta: RequestMeta) -> np.ndarray:
             f"malformed frame: batch_size: {n} items of {k} inputs (at most {MAX_VALUES} "
             f"values) with {len(meta.lengths)} bytes of lengths (4 per value)"
         )
+    if header.request_id + n - 1 >= 1 << 64:
+        raise FrameError(f"malformed frame: request_id: {n} ids from it pass 2**64 - 1")
     sizes = np.frombuffer(meta.lengths, "<u4").astype(np.int64).reshape(n, k)
     if int(sizes.sum()) != header.payload_len:
         raise FrameError(

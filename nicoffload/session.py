@@ -160,7 +160,7 @@ class Session:
         `items`: bare values (bytes, str, Path) for a one-input pipeline, mappings of input name
         to value, or `(name, mapping)` pairs. Per-item failures are reported in `failures`."""
         stats = RunStats()
-        n = len(items) if isinstance(items, Sized) else None
+        n = len(items) if isinstance(items, Sized) else None  # a hint: see `collect`
         return collect(self.pipeline, self.stream(items, stats), stats, n)
 
     def dataset(self, items: Iterable[Any]) -> Any:
@@ -219,6 +219,9 @@ def stream(
         yield from session.stream(items, stats)
 
 
+PREALLOCATE_MAX_BYTES = 8 << 30  # past this, outputs are gathered batch by batch
+
+
 def collect(
     pipeline: Pipeline, batches: Iterable[Batch], stats: RunStats, n: int | None = None
 ) -> RunResult:
@@ -230,6 +233,9 @@ def collect(
     specs = pipeline.output_specs()
     parts: dict[str, list[Any]] = {k: [] for k in pipeline.outputs}
     whole: dict[str, np.ndarray] = {}
+    row_bytes = sum(specs[k].typical_nbytes for k in pipeline.outputs if specs[k].static)
+    if n is not None and n * row_bytes > PREALLOCATE_MAX_BYTES:
+        n = None  # a len() that lies high (or a very large call) must not allocate up front
     if n is not None:
         whole = {
             k: np.empty((n, *specs[k].shape), specs[k].dtype)

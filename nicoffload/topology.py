@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -285,8 +286,13 @@ def _link(raw: Any, mark: Mark, ids: list[str]) -> Link:
         raw.get(key, defaults[key]) for key in ("cpu_ns_per_byte", "cpu_us_per_batch")
     )
     for key, value in (("cpu_ns_per_byte", cpu), ("cpu_us_per_batch", per_batch)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise _bad(f"link: '{key}'", value, "a number >= 0", raw.mark_of(key))
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise _bad(f"link: '{key}'", value, "a finite number >= 0", raw.mark_of(key))
     return Link(
         str(between[0]),
         str(between[1]),

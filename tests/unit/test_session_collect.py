@@ -21,7 +21,7 @@ def batches(sizes: list[int]):
     slot = {k: np.zeros((max(sizes), *s.shape), s.dtype) for k, s in BERT.output_specs().items()}
     start = 0
     for i, n in enumerate(sizes):
-        for k, a in slot.items():
+        for a in slot.values():
             a[:n] = (start + np.arange(n)).reshape(-1, *([1] * (a.ndim - 1)))
         ok = np.ones(n, bool)
         yield Batch(

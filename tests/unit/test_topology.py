@@ -89,6 +89,7 @@ def test_times_and_sizes_have_units() -> None:
         ("bandwidth: 64GB/s", "bandwidth: quick", "quick", "'bandwidth' must be a rate"),
         ("latency: 3us", "latency: soon", "soon", "'latency' must be a time"),
         ("latency: 3us", "latency: 3us, cpu_us_per_batch: -5", "-5", "'cpu_us_per_batch'"),
+        ("latency: 3us", "latency: 3us, cpu_ns_per_byte: .nan", ".nan", "a finite number"),
         ("ingress: dpu0", "ingress: dpu9", "dpu9", "unknown device 'dpu9'"),
         ("gpu0: {kind: gpu}", "gpu0: {kind: gpu, colour: red}", "colour", "unknown key 'colour'"),
         ("profile: bluefield3-arm", "profile: bluefield9", "bluefield9", "profile 'bluefield9'"),
