@@ -126,7 +126,11 @@ def test_a_frame_goes_in_as_few_writes_as_its_pieces_and_round_trips(size: int) 
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     head = encode(
         Header(
-            Kind.DATA, request_id=3, batch_size=1, payload_len=size, dtype=DType.UINT8,
+            Kind.DATA,
+            request_id=3,
+            batch_size=1,
+            payload_len=size,
+            dtype=DType.UINT8,
             shape=(size,),
         ),
         {"tensors": [["x", 1, [size], 0]]},
