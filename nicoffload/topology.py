@@ -424,35 +424,19 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
     except ProfileError:
         measured = None
     d = TRANSPORTS[transport]
-    if measured is not None and measured.cpu_us_per_batch is not None:
-        return Link(
-            a,
-            b,
-            transport,
+    bw, latency = (
+        (bandwidth, d["latency_ms"])
+        if measured is None
+        else (
             measured.bandwidth,
             measured.latency_ms,
-            measured.cpu_ns_per_byte,
-            cpu_us_per_batch=measured.cpu_us_per_batch,
         )
-    if measured is not None:  # measured with raw sockets: its CPU figures leave out our own
-        return Link(
-            a,
-            b,
-            transport,
-            measured.bandwidth,
-            measured.latency_ms,
-            d["cpu_ns_per_byte"],
-            cpu_us_per_batch=d["cpu_us_per_batch"],
-        )
-    return Link(
-        a,
-        b,
-        transport,
-        bandwidth,
-        d["latency_ms"],
-        d["cpu_ns_per_byte"],
-        cpu_us_per_batch=d["cpu_us_per_batch"],
     )
+    # a link measured with raw sockets (no per-batch figure): its CPU costs leave ours out
+    trusted = measured is not None and measured.cpu_us_per_batch is not None
+    per_byte = measured.cpu_ns_per_byte if trusted else d["cpu_ns_per_byte"]
+    per_batch = measured.cpu_us_per_batch if trusted else d["cpu_us_per_batch"]
+    return Link(a, b, transport, bw, latency, per_byte, cpu_us_per_batch=per_batch)
 
 
 def local_topology(

@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from nicoffload.errors import AgentError, DeviceError, Mark, TransportError, UserError
-from nicoffload.graph import Pipeline, Ref
+from nicoffload.graph import Pipeline
+from nicoffload.planner.physical import leaving
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import DRAINING, ON_HOST
 from nicoffload.runtime.loadtext import load_text
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
-from nicoffload.transport.frame import MAX_PAYLOAD
-from nicoffload.transport.slots import ALIGN
 
 POLL_S = 0.25  # how often an idle receiver checks the agent's liveness
 # on_rows(tasks, rows, tensors, failed, release): a delivery's ok rows (the tasks, their rows
@@ -270,32 +269,13 @@ def open_front(
     that GPU's memory as they arrive (`GpuLanding`): over rdma the receiver's ring is GPU memory
     itself where GPUDirect is possible (`rdma://...?gpu=N`), otherwise, and over shm and tcp,
     the receiver's host ring is page-locked and each batch copied to the GPU asynchronously."""
+    from nicoffload.planner import physical
     from nicoffload.transport import listen
 
     keys = leaving(pipeline, stage)
     batch = pipeline.batch_max_size
-    specs = {k: pipeline.spec_of(_ref(pipeline, k)) for k in keys}
-
-    def slot_size(batch: int) -> int:
-        return sum(
-            -(-batch * s.typical_nbytes * (1 if s.static else 4) // ALIGN) * ALIGN + batch * ALIGN
-            for s in specs.values()
-        )
-
-    slot_bytes = slot_size(batch)
-    if slot_bytes > MAX_PAYLOAD:  # before any agent starts
-        fits = next((b for b in range(batch - 1, 0, -1) if slot_size(b) <= MAX_PAYLOAD), 0)
-        raise DeviceError(
-            f"stage '{stage.name}' on {device.id}: a batch of what it sends on ({len(keys)} "
-            f"tensors, {batch} items, room for 4x each dynamic tensor's typical size) needs "
-            f"{slot_bytes / 2**30:.1f} GiB per slot, past the wire format's "
-            f"{MAX_PAYLOAD / 2**30:.0f} GiB: "
-            + (
-                f"set `batch: {{max_size: {fits}}}` in the pipeline, or plan it elsewhere"
-                if fits
-                else "plan it elsewhere (not even one item fits)"
-            )
-        )
+    # sized for this pipeline's batch (DeviceError, before any agent starts, when it cannot fit)
+    slot_bytes = int(physical.stage_physical(pipeline, plan, stage, None)["slot_bytes"])
     rdma_device = None
     if transport == "rdma":  # before any agent starts: no RDMA device is a clear failure
         from nicoffload.transport import verbs
@@ -447,16 +427,3 @@ def failed_of(meta: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
     for reason, detail, rows in meta.get("failed_rows", ()):
         failed.update((ids[r], (reason, detail)) for r in rows if 0 <= r < len(ids))
     return failed
-
-
-def leaving(pipeline: Pipeline, stage: StagePlan) -> list[str]:
-    """Value keys a stage produces that later stages or the outputs read."""
-    inside = set(stage.nodes)
-    keys = {str(r) for n in pipeline.nodes if n.name not in inside for r in n.inputs}
-    keys |= {str(r) for r in pipeline.outputs.values()}
-    return sorted(k for k in keys if k.split(".", 1)[0] in inside)
-
-
-def _ref(pipeline: Pipeline, key: str) -> Ref:
-    name, _, port = key.partition(".")
-    return Ref(name, port or "out")
