@@ -106,11 +106,14 @@ class Connection(Ingress):
             log_event(log, logging.WARNING, "connection_refused", peer=self.peer, reason=str(exc))
             self.ch.post(error_frame(AgentError(str(exc))), _DONTWAIT)
             return
+        # Counted and logged before the peer is told: a client that has its answer can look
+        # at the agent's log and metrics and find the refusal there.
         reason = self.evicted or str(exc)
+        reply: Exception | None = None
         if isinstance(exc, Refused) and not self.evicted:
-            self.ch.post(error_frame(AgentError(f"authentication failed: {exc}")), _DONTWAIT)
+            reply = AgentError(f"authentication failed: {exc}")
         elif isinstance(exc, FrameError):
-            self.ch.post(error_frame(exc), _DONTWAIT)
+            reply = exc
             reason = "bad frame"  # the frame's details would make every line a new reason
         elif isinstance(exc, TransportError) and not self.evicted:
             reason = "connection lost"  # its message names the peer: a new reason each
@@ -119,6 +122,8 @@ class Connection(Ingress):
             log.exception("handshake failed", extra={"fields": {"peer": self.peer}})
         self.agent.metrics.error("auth")
         self.agent.refusals.note(reason, self.peer)
+        if reply is not None:
+            self.ch.post(error_frame(reply), _DONTWAIT)
 
     def _finish(self) -> None:
         with self._lock:
