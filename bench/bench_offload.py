@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prediction import loadavg, typical_jpegs
 
 import nicoffload
-from nicoffload.planner import plan_for
-from nicoffload.planner.plan import Plan, single_device_plan, stages_for
+from nicoffload.planner import plan_for, plan_placement
+from nicoffload.planner.plan import Plan
 from nicoffload.topology import local_topology
 
 PIPELINE = "pipelines/resnet50.yaml"
@@ -58,11 +58,11 @@ def agent_cpu_s() -> float:
 
 def placements(pipeline, topology) -> dict[str, Plan]:
     def pinned(place: dict[str, str]) -> Plan:
-        stages, transfers = stages_for(pipeline, place)
-        return Plan(pipeline.name, place, stages, transfers, topology="local")
+        # priced by the model as the planner prices its own plans: what the run is predicted to do
+        return plan_placement(pipeline, place, topology)
 
     nodes = [n.name for n in pipeline.nodes]
-    out = {"all host": single_device_plan(pipeline, "cpu")}
+    out = {"all host": pinned({n: "cpu" for n in nodes})}
     out["decode on dpu"] = pinned({n: "dpu0" if n == "decode" else "cpu" for n in nodes})
     out["decode+resize+crop on dpu"] = pinned({n: "cpu" if n == "norm" else "dpu0" for n in nodes})
     out["all dpu"] = pinned({n: "dpu0" for n in nodes})
@@ -149,6 +149,15 @@ def main() -> int:
             row[f"{how}host_cpu_vs_all_host"] = round(
                 row[f"{how}host_cpu_ms_per_item"] / base[f"{how}host_cpu_ms_per_item"], 3
             )
+        for how in ("", "stream_"):  # the prediction's error: predicted / measured - 1
+            for what, pred in (
+                ("items_per_s", "predicted_items_per_s"),
+                ("host_cpu_ms_per_item", "predicted_host_cpu_ms_per_item"),
+            ):
+                got = row[f"{how}{what}"]
+                row[f"{how}{what}_error"] = (
+                    None if row[pred] is None or not got else round(row[pred] / got - 1, 3)
+                )
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     if args.json:
@@ -166,13 +175,20 @@ def main() -> int:
         )
     print("stream() (each batch read in place):")
     print(
-        f"{'placement':28} {'items/s':>8} {'x host':>7} {'host ms':>8} {'x host':>7} {'agent ms':>8}"
+        f"{'placement':28} {'items/s':>8} {'x host':>7} {'host ms':>8} {'x host':>7} "
+        f"{'agent ms':>8} {'pred err: items/s':>17} {'host ms':>8}"
     )
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.0%}"
+
     for name, r in doc["placements"].items():
         print(
             f"{name:28} {r['stream_items_per_s']:8.1f} {r['stream_throughput_vs_all_host']:7.2f} "
             f"{r['stream_host_cpu_ms_per_item']:8.3f} {r['stream_host_cpu_vs_all_host']:7.2f} "
-            f"{r['stream_agent_cpu_ms_per_item']:8.3f}"
+            f"{r['stream_agent_cpu_ms_per_item']:8.3f} "
+            f"{pct(r['stream_items_per_s_error']):>17} "
+            f"{pct(r['stream_host_cpu_ms_per_item_error']):>8}"
         )
     return 0
 
