@@ -276,3 +276,15 @@ def test_links_are_measured_through_nicoffloads_own_transports() -> None:
     assert per_batch_us == pytest.approx(50.0) and per_byte_ns == pytest.approx(1.0)
     wall, cpu = profiling.exchange("shm", 1 << 16, 20)
     assert wall > 0 and cpu > 0
+
+
+def test_profile_of_the_gpu_says_how_it_is_measured() -> None:
+    """The per-item sweep cannot price batched GPU kernels: a clear pointer, not a traceback."""
+    from typer.testing import CliRunner
+
+    from nicoffload.cli import build_app
+
+    result = CliRunner().invoke(build_app(), ["profile", "--device", "gpu"])
+    assert result.exit_code != 0
+    assert "bench_gpu.py" in result.output
+    assert "Traceback" not in result.output
