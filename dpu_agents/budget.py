@@ -142,14 +142,19 @@ class _Decoder:
 def decode_costs(built: Built) -> Callable[[Mapping[str, Any]], int]:
     """`cost(values)`: the bytes the stage's decoders (and the resizes reading them) will hold
     for one request, from each image's header; 0 for what the kernel refuses from its header
-    (not an image, over max_pixels)."""
+    (not an image, over max_pixels). A decoded image the request carries (a tensor input:
+    its bytes are the payload's, in `queued`) counts what the resizes reading it hold."""
     from nicoffload.ops import kernel_consumers
 
     pipeline = built.pipeline
     decoders = []
+    images = []  # (tensor input, params and itemsize of a resize in the stage reading it)
     for name in built.stage.plan.nodes:
         node = pipeline.node(name)
-        if node.op != "decode_image" or not node.inputs[0].is_input:
+        src = str(node.inputs[0]) if node.inputs else ""
+        if node.op == "resize" and src in built.inputs:  # a uint8 HWC tensor (its wiring)
+            images.append((src, node.params, node.out_specs["out"].itemsize))
+        if node.op != "decode_image" or src not in built.inputs:
             continue
         consumers = kernel_consumers(pipeline, name)
         resizes = tuple(
@@ -158,12 +163,21 @@ def decode_costs(built: Built) -> Callable[[Mapping[str, Any]], int]:
             if getattr(c, "op", "") == "resize" and c.name in built.stage.plan.nodes
         )
         channels = 3 if node.params["color"] == "rgb" else 1
-        decoders.append(_Decoder(node.inputs[0].source, node.params, consumers, channels, resizes))
+        decoders.append(_Decoder(src, node.params, consumers, channels, resizes))
 
     def cost(values: Mapping[str, Any]) -> int:
-        return sum(_one(d, values[d.input]) for d in decoders)
+        held = sum(_one(d, values[d.input]) for d in decoders)
+        return held + sum(_resized(values[k], p, itemsize) for k, p, itemsize in images)
 
     return cost
+
+
+def _resized(image: Any, params: Any, itemsize: int) -> int:
+    """What a resize of a decoded image the request carries (HWC) holds."""
+    from nicoffload.ops.resize import output_size
+
+    h, w, c = image.shape
+    return math.prod(output_size(params, h, w)) * c * itemsize
 
 
 def _one(d: _Decoder, data: Any) -> int:

@@ -248,7 +248,9 @@ class Connection(Ingress):
             raise
         finally:
             deadlines.disarm(id(self))
-        return buf.toreadonly() if keep else memoryview(b"")
+        # writable: a REQUEST's tensors are views of it (split_request), and numba compiles
+        # again, for seconds, for a read-only array; its bytes values are read-only views
+        return buf if keep else memoryview(b"")
 
     def _too_slow(self) -> None:
         self._late = True
@@ -329,7 +331,7 @@ class Connection(Ingress):
         built = build_stage(
             yaml_text, plan_text, load.stage, load.batch_max_size, load.batch_max_wait_ms, self.cfg
         )
-        check_requests_fit(built.pipeline.inputs)
+        check_requests_fit(built.inputs)
         sender = self._connect(load.forward_to, built.pipeline_id, built.next_stage_id)
         try:
             session = Session(
@@ -362,7 +364,7 @@ class Connection(Ingress):
             forward_to=load.forward_to,
             seconds=round(time.perf_counter() - t0, 3),
         )
-        return LoadAck(session.name, self.cfg.window, built.outputs())
+        return LoadAck(session.name, self.cfg.window, built.outputs(), tuple(built.inputs))
 
     def _check_forward(self, forward_to: str) -> None:
         here = self.ch.sock.getsockname()[0]

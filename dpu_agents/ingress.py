@@ -6,21 +6,27 @@ fails alone (`bad_request`), a frame that lies is a frame error. Mixed into `Con
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dpu_agents import budget
 from dpu_agents.protocol import (
+    BYTES,
     MAX_INPUTS,
+    MAX_NDIM,
+    MAX_SHAPE_DIMS,
     MAX_VALUES,
+    TENSOR,
     RequestMeta,
     request_sizes,
     split_request,
 )
 from dpu_agents.session import Item, Session
+from dpu_agents.stageinputs import StageInput, check_values
 from nicoffload.errors import AgentError, FrameError
-from nicoffload.transport.frame import Header, decode_meta, encode_meta
+from nicoffload.transport.frame import DType, Header, decode_meta, encode_meta
 
 
 class Ingress:
@@ -107,7 +113,7 @@ class Ingress:
             if every is not None:
                 values = every[i]
                 try:
-                    self._check_values(session, values)
+                    check_values(session.built.inputs, values)
                     decode = session.decode_cost(values)
                     why = _over(self.account, budget.DECODE, decode)
                 except ValueError as exc:
@@ -142,17 +148,6 @@ class Ingress:
             if last:
                 self._credit(1)
 
-    @staticmethod
-    def _check_values(session: Session, values: dict[str, Any]) -> None:
-        inputs = session.built.pipeline.inputs
-        if set(values) != set(inputs):
-            raise ValueError(f"inputs {sorted(values)}, the pipeline takes {sorted(inputs)}")
-        for name, spec in inputs.items():
-            if (spec.dtype == "str") != isinstance(values[name], str):
-                raise ValueError(
-                    f"input {name!r} must be {'text' if spec.dtype == 'str' else 'bytes'}"
-                )
-
 
 def _over(account: budget.Account, kind: str, n: int, what: str = "") -> tuple[str, str]:
     """The reject of an item whose `n` bytes of `kind` no wait could ever fit, else ('', '')."""
@@ -163,16 +158,29 @@ def _over(account: budget.Account, kind: str, n: int, what: str = "") -> tuple[s
     return "too_large", f"{what} needs {n} bytes, more than the agent's {kind} budget ({most})"
 
 
-def check_requests_fit(inputs: Any) -> None:
-    """At LOAD, not per item: a pipeline whose requests the wire format cannot carry (too many
+def check_requests_fit(inputs: Mapping[str, StageInput]) -> None:
+    """At LOAD, not per item: a stage whose requests the wire format cannot carry (too many
     inputs, or names too long for the metadata) would have every item refused."""
     if len(inputs) > MAX_INPUTS:
         raise AgentError(
-            f"the pipeline takes {len(inputs)} inputs; a request carries at most {MAX_INPUTS}"
+            f"the stage reads {len(inputs)} inputs; a request carries at most {MAX_INPUTS}"
         )
-    names = tuple(str(n) for n in inputs)
-    most = bytes(4 * (MAX_VALUES // max(1, len(names))) * len(names))  # the most lengths
+    k = max(1, len(inputs))
+    tensor = [i.kind == "tensor" for i in inputs.values()]
+    ndims = tuple(len(i.spec.shape) if i.kind == "tensor" else 0 for i in inputs.values())
+    if max(ndims, default=0) > MAX_NDIM:
+        raise AgentError(f"a value of the stage's inputs has more than {MAX_NDIM} dims")
+    dims = sum(ndims)
+    n = min(MAX_VALUES // k, MAX_SHAPE_DIMS // dims if dims else MAX_VALUES)  # the most items
+    meta = RequestMeta(
+        tuple(inputs),
+        tuple(TENSOR if t else BYTES for t in tensor),
+        tuple(int(DType.FLOAT64) if t else 0 for t in tensor),
+        ndims,
+        bytes(4 * n * len(inputs)),
+        bytes(4 * n * dims),
+    )
     try:
-        encode_meta(RequestMeta(names, (False,) * len(names), most))
+        encode_meta(meta)
     except ValueError as exc:
-        raise AgentError(f"a request of this pipeline's {len(inputs)} inputs: {exc}") from None
+        raise AgentError(f"a request of this stage's {len(inputs)} inputs: {exc}") from None

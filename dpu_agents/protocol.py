@@ -11,9 +11,10 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
     transport.integrity): one that fails is an ERROR and the connection closes (`bad_mac`)
     LOAD    #call {stage, forward_to, ...} + payload: pipeline YAML, plan JSON
                                         <-   ACK #call {session, window, outputs} | ERROR #call
-    REQUEST request_id=first batch_size=n {names, text, lengths} + payload: n items' values,
-            back to back (ids first .. first+n-1; one credit per frame; lengths checked
-            against the header before the payload is read: a lie is a frame error)
+    REQUEST request_id=first batch_size=n {names, kinds, dtypes, ndims, lengths, shapes}
+            + payload: n items' values (bytes, text or tensors), back to back, each at an
+            8-byte boundary (ids first .. first+n-1; one credit per frame; lengths and shapes
+            checked against the header before the payload is read: a lie is a frame error)
                                         <-   CREDIT batch_size=m   (m REQUEST frames done)
     STATS / DRAIN / HEARTBEAT / SHUTDOWN #call
                                         <-   STATS / ACK / HEARTBEAT / ACK #call | ERROR #call
@@ -26,6 +27,7 @@ proving to it the session's forward key (which both sides derive; it never cross
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,14 +35,20 @@ import msgspec
 import numpy as np
 
 from nicoffload.errors import FrameError
-from nicoffload.transport.frame import Header, Kind, encode, encode_meta
+from nicoffload.transport.frame import DType, Header, Kind, encode, encode_meta
 
-PROTOCOL = "nicoffload-agent/2"  # 2: a REQUEST carries a batch
+PROTOCOL = "nicoffload-agent/3"  # 2: a REQUEST carries a batch; 3: and tensors (RequestMeta)
 MAX_LOAD_BYTES = 4 << 20  # pipeline YAML + plan JSON
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 MAX_INPUTS = 1024  # inputs of one request (a multi-camera request: 40 images + 40 captions;
 # their names and lengths stay well inside MAX_META)
 MAX_VALUES = 8192  # values (items x inputs) of one REQUEST frame: 32 KiB of lengths
+MAX_NDIM = 8  # dims of one tensor value
+MAX_SHAPE_DIMS = 4096  # dims (items x their tensors' dims) of one REQUEST frame: 16 KiB of shapes
+VALUE_ALIGN = 8  # every value starts at a multiple of this in the payload: a tensor is a view
+BYTES, TEXT, TENSOR = 0, 1, 2  # RequestMeta.kinds: what a value of an input is
+_TENSOR_CODES = frozenset(d.value for d in DType if d is not DType.NONE)
+_ELEMENTS_CAP = 1 << 32  # a tensor of more elements is past any length (uint32)
 CALLS = frozenset({Kind.LOAD, Kind.STATS, Kind.DRAIN, Kind.SHUTDOWN, Kind.HEARTBEAT})
 
 
@@ -90,16 +98,26 @@ class LoadAck(msgspec.Struct, frozen=True):
     session: str
     window: int  # REQUEST credits the client starts with
     outputs: tuple[OutputMeta, ...]
+    inputs: tuple[str, ...] = ()  # the value keys each REQUEST item must carry, no others
 
 
 class RequestMeta(msgspec.Struct, array_like=True, frozen=True):
-    """REQUEST: a batch of items with the same inputs. `lengths` holds one little-endian
-    uint32 per item and input, item-major: item i's value of input j is the (i * k + j)-th
-    run of bytes of the payload (k = len(names)), so the offsets are their running sum."""
+    """REQUEST: a batch of items with the same inputs (k = len(names)).
+
+    Per input j: `kinds[j]` (BYTES, TEXT: utf-8, a str on the agent, or TENSOR), and for a
+    TENSOR its `dtypes[j]` (a `DType` code) and `ndims[j]` (0..MAX_NDIM); both 0 otherwise.
+    `lengths`: one little-endian uint32 per item and input, item-major: item i's value of
+    input j is the (i * k + j)-th value of the payload. Each value takes its length rounded up
+    to VALUE_ALIGN bytes (zeros after it, ignored), so every value starts aligned. `shapes`:
+    little-endian uint32 dims, item-major, of item i's tensor inputs in input order, ndims[j]
+    each, none 0; a tensor's length is its dims' product x its itemsize (C order)."""
 
     names: tuple[str, ...]
-    text: tuple[bool, ...]  # per input: utf-8 text (a str on the agent) or raw bytes
+    kinds: tuple[int, ...]
+    dtypes: tuple[int, ...]
+    ndims: tuple[int, ...]
     lengths: bytes
+    shapes: bytes
 
 
 def frame(
@@ -111,16 +129,46 @@ def frame(
     )
 
 
-def _signature(values: Mapping[str, Any]) -> tuple[tuple[str, bool], ...]:
-    for name in values:
+def _padded(n: Any) -> Any:
+    """What a value of `n` bytes takes of a REQUEST's payload (ints or an array of them)."""
+    return (n + VALUE_ALIGN - 1) // VALUE_ALIGN * VALUE_ALIGN
+
+
+_PAD = bytes(VALUE_ALIGN)
+Signature = tuple[tuple[str, int, int, int], ...]  # per input: name, kind, dtype code, ndim
+
+
+def _signature(values: Mapping[str, Any]) -> Signature:
+    """The inputs of an item as a REQUEST's meta declares them; TypeError or ValueError for
+    a value the wire cannot carry (a tensor of an unknown dtype, too many dims, none)."""
+    sig = []
+    for name, v in values.items():
         if not isinstance(name, str):
             raise TypeError(f"input names are strings, got {name!r}")
-    return tuple((name, isinstance(v, str)) for name, v in values.items())
+        if isinstance(v, str):
+            sig.append((name, TEXT, 0, 0))
+        elif isinstance(v, np.ndarray):
+            try:
+                code = DType.of(v.dtype)
+            except ValueError as exc:
+                raise ValueError(f"input {name!r}: {exc}") from None
+            if v.ndim > MAX_NDIM or 0 in v.shape or max(v.shape, default=0) >= 1 << 32:
+                raise ValueError(
+                    f"input {name!r}: a tensor of shape {v.shape} cannot be sent (at most "
+                    f"{MAX_NDIM} dims, each 1 .. 2**32 - 1)"
+                )
+            sig.append((name, TENSOR, int(code), v.ndim))
+        else:
+            sig.append((name, BYTES, 0, 0))
+    return tuple(sig)
 
 
 def _data(value: Any) -> bytes | memoryview:
     if isinstance(value, str):
         return value.encode()
+    if isinstance(value, np.ndarray):  # raw bytes in C order, copied only when not already
+        a = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+        return memoryview(a.reshape(-1).view(np.uint8))
     return value if isinstance(value, (bytes, memoryview)) else memoryview(value).cast("B")
 
 
@@ -128,31 +176,42 @@ def request_frames(
     first_id: int, items: Sequence[Mapping[str, Any]], max_bytes: int
 ) -> Iterator[tuple[int, bytes, list[Any]]]:
     """The REQUEST frames of `items` (request ids first_id, first_id + 1, ...): (items in the
-    frame, head, payload parts). Consecutive items with the same inputs share a frame, of at
-    most MAX_VALUES values and `max_bytes` payload bytes (an item larger goes alone)."""
+    frame, head, payload parts). Values are bytes, str (utf-8 text) or numpy arrays (sent as
+    tensors). Consecutive items with the same inputs share a frame, of at most MAX_VALUES
+    values, MAX_SHAPE_DIMS dims and `max_bytes` payload bytes (an item larger goes alone).
+    Every item is checked before the first frame: TypeError or ValueError, nothing sent."""
+    sigs = [_signature(values) for values in items]
     at = 0
     while at < len(items):
-        sig = _signature(items[at])
-        k = max(1, len(sig))
-        most = max(1, MAX_VALUES // k)
+        sig = sigs[at]
+        k, dims = max(1, len(sig)), sum(s[3] for s in sig)
+        most = max(1, min(MAX_VALUES // k, MAX_SHAPE_DIMS // dims if dims else MAX_VALUES))
         parts: list[Any] = []
         lengths: list[int] = []
+        shapes: list[int] = []
         total, n = 0, 0
         while at + n < len(items) and n < most:
-            values = items[at + n]
-            if n and _signature(values) != sig:
+            if n and sigs[at + n] != sig:
                 break
+            values = items[at + n]
             data = [_data(v) for v in values.values()]
-            size = sum(len(d) for d in data)
+            size = sum(_padded(len(d)) for d in data)
             if n and total + size > max_bytes:
                 break
-            parts += data
+            for d in data:
+                parts.append(d)
+                if len(d) % VALUE_ALIGN:
+                    parts.append(_PAD[len(d) % VALUE_ALIGN :])
             lengths += [len(d) for d in data]
+            shapes += [dim for v in values.values() if isinstance(v, np.ndarray) for dim in v.shape]
             total, n = total + size, n + 1
         meta = RequestMeta(
             tuple(s[0] for s in sig),
             tuple(s[1] for s in sig),
+            tuple(s[2] for s in sig),
+            tuple(s[3] for s in sig),
             np.asarray(lengths, "<u4").tobytes(),
+            np.asarray(shapes, "<u4").tobytes(),
         )
         blob = encode_meta(meta)
         head = Header(
@@ -167,43 +226,105 @@ def request_frames(
 
 
 def request_sizes(header: Header, meta: RequestMeta) -> np.ndarray:
-    """The (items, inputs) byte lengths of a REQUEST, every one checked against the header
-    before a byte of the payload is read or allocated: FrameError if the frame lies (the
-    whole frame is refused, and the connection with it)."""
+    """The (items, inputs) byte lengths of a REQUEST, every one (and every tensor's shape)
+    checked against the header before a byte of the payload is read or allocated:
+    FrameError if the frame lies (the whole frame is refused, and the connection with it)."""
     k, n = len(meta.names), header.batch_size
-    if k > MAX_INPUTS or len(meta.text) != k or len(set(meta.names)) != k:
+    if (
+        k > MAX_INPUTS
+        or len(set(meta.names)) != k
+        or not (len(meta.kinds) == len(meta.dtypes) == len(meta.ndims) == k)
+    ):
         raise FrameError(
-            f"malformed frame: meta: {k} input names (at most {MAX_INPUTS}, each once) and "
-            f"{len(meta.text)} text flags"
+            f"malformed frame: meta: {k} input names (at most {MAX_INPUTS}, each once) with "
+            f"{len(meta.kinds)} kinds, {len(meta.dtypes)} dtypes and {len(meta.ndims)} ndims"
         )
-    if not 1 <= n <= MAX_VALUES // max(k, 1) or len(meta.lengths) != 4 * n * k:
+    for name, kind, code, ndim in zip(meta.names, meta.kinds, meta.dtypes, meta.ndims, strict=True):
+        tensor = kind == TENSOR and code in _TENSOR_CODES and 0 <= ndim <= MAX_NDIM
+        if not (tensor or (kind in (BYTES, TEXT) and code == ndim == 0)):
+            raise FrameError(
+                f"malformed frame: meta: input {name!r}: kind {kind}, dtype {code}, ndim {ndim} "
+                f"(bytes and text: dtype 0, ndim 0; a tensor: a DType code, 0..{MAX_NDIM} dims)"
+            )
+    dims = sum(meta.ndims)
+    if (
+        not 1 <= n <= MAX_VALUES // max(k, 1)
+        or n * dims > MAX_SHAPE_DIMS
+        or len(meta.lengths) != 4 * n * k
+        or len(meta.shapes) != 4 * n * dims
+    ):
         raise FrameError(
             f"malformed frame: batch_size: {n} items of {k} inputs (at most {MAX_VALUES} "
-            f"values) with {len(meta.lengths)} bytes of lengths (4 per value)"
+            f"values, {MAX_SHAPE_DIMS} dims) with {len(meta.lengths)} bytes of lengths (4 per "
+            f"value) and {len(meta.shapes)} of shapes (4 per dim, {dims} dims an item)"
         )
     if header.request_id + n - 1 >= 1 << 64:
         raise FrameError(f"malformed frame: request_id: {n} ids from it pass 2**64 - 1")
     sizes = np.frombuffer(meta.lengths, "<u4").astype(np.int64).reshape(n, k)
-    if int(sizes.sum()) != header.payload_len:
+    if dims:
+        _check_shapes(meta, sizes)
+    total = int(_padded(sizes).sum())
+    if total != header.payload_len:
         raise FrameError(
-            f"malformed frame: payload_len: {header.payload_len}, but the lengths add up to "
-            f"{int(sizes.sum())}"
+            f"malformed frame: payload_len: {header.payload_len}, but the lengths (each "
+            f"rounded up to {VALUE_ALIGN}) add up to {total}"
         )
     return sizes
 
 
+def _check_shapes(meta: RequestMeta, sizes: np.ndarray) -> None:
+    """Every tensor's length is its shape's bytes; no dim is 0. Vectorized over the items:
+    the products are clamped at _ELEMENTS_CAP, so no overflow lets a huge shape pass."""
+    n = len(sizes)
+    shapes = np.frombuffer(meta.shapes, "<u4").reshape(n, -1)
+    col = 0
+    for j, (name, kind) in enumerate(zip(meta.names, meta.kinds, strict=True)):
+        if kind != TENSOR:
+            continue
+        dims = shapes[:, col : col + meta.ndims[j]].astype(np.uint64)
+        col += meta.ndims[j]
+        dtype = DType(meta.dtypes[j]).numpy
+        count = np.ones(n, np.uint64)
+        for d in dims.T:  # count <= 2**32 and d < 2**32: the product fits uint64
+            count = np.minimum(count * d, np.uint64(_ELEMENTS_CAP))
+        wrong = (dims == 0).any(axis=1) | (count.astype(np.int64) * dtype.itemsize != sizes[:, j])
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            shape = tuple(int(d) for d in dims[i])
+            said = "a dim of 0" if 0 in shape else f"{math.prod(shape) * dtype.itemsize} bytes"
+            raise FrameError(
+                f"malformed frame: meta: item {i}'s input {name!r}: shape {shape} of {dtype} is "
+                f"{said}, but its length is {int(sizes[i, j])}"
+            )
+
+
 def split_request(meta: RequestMeta, sizes: np.ndarray, payload: memoryview) -> list[dict]:
-    """The values of each item of a checked REQUEST (`request_sizes`): views of `payload`
-    (no copy) for bytes, str for text (invalid utf-8 replaced)."""
-    ends = np.cumsum(sizes.ravel()).tolist()
-    k = len(meta.names)
-    out, start = [], 0
-    for i in range(len(sizes)):
+    """The values of each item of a checked REQUEST (`request_sizes`): for bytes, read-only
+    views of `payload`; str for text (invalid utf-8 replaced); ndarrays of the declared dtype
+    and shape for tensors, views of `payload` (no copy; a copy where it is not aligned)."""
+    k, n = len(meta.names), len(sizes)
+    lengths = sizes.ravel()
+    ends = np.cumsum(_padded(lengths))
+    starts = (ends - _padded(lengths)).tolist()
+    lengths = lengths.tolist()
+    shapes = np.frombuffer(meta.shapes, "<u4").reshape(n, -1).tolist() if meta.shapes else []
+    kinds = list(zip(meta.names, meta.kinds, meta.dtypes, meta.ndims, strict=True))
+    dtypes = [DType(code).numpy if kind == TENSOR else None for _, kind, code, _ in kinds]
+    out = []
+    for i in range(n):
         values: dict[str, Any] = {}
-        for j, name in enumerate(meta.names):
-            end = ends[i * k + j]
-            data = payload[start:end]
-            values[name] = str(data, "utf-8", "replace") if meta.text[j] else data
-            start = end
+        col = 0
+        for j, (name, kind, _, ndim) in enumerate(kinds):
+            start, size = starts[i * k + j], lengths[i * k + j]
+            if kind == TENSOR:
+                dtype = dtypes[j]
+                a = np.frombuffer(payload, dtype, size // dtype.itemsize, start)  # type: ignore[union-attr]
+                a = a.reshape(shapes[i][col : col + ndim])
+                values[name] = a if a.flags.aligned else a.copy()
+                col += ndim
+            elif kind == TEXT:
+                values[name] = str(payload[start : start + size], "utf-8", "replace")
+            else:
+                values[name] = payload[start : start + size].toreadonly()
         out.append(values)
     return out

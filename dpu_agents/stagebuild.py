@@ -1,5 +1,6 @@
 """LOAD's work: the pipeline built from its YAML text (never unpickled), the plan's stage checked
-and bound to the DPU kernels, and the values that leave the stage (what gets forwarded).
+and bound to the DPU kernels, the values it reads (pipeline inputs, or values leaving earlier
+stages: `stageinputs`) and the values that leave it (what gets forwarded).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpu_agents.protocol import OutputMeta
+from dpu_agents.stageinputs import StageInput, stage_inputs
 from nicoffload.errors import AgentError, NicoffloadError, UserError
 from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
 from nicoffload.p4.ids import pipeline_id, stage_ids
+from nicoffload.planner.physical import leaving
 from nicoffload.planner.plan import Plan
-from nicoffload.runtime.remote import leaving
 from nicoffload.runtime.stage import Stage
 from nicoffload.transport.frame import DType
 
@@ -36,6 +38,7 @@ class Built:
     out_specs: dict[str, TensorSpec]  # value key -> spec, for every value leaving the stage
     batch_max_size: int
     batch_max_wait_s: float
+    inputs: dict[str, StageInput]  # value key -> what each request item carries of it
     pipeline_id: int = 0  # stamped in the forwarded frames' headers: what the NIC steers on
     next_stage_id: int = 0
 
@@ -131,15 +134,8 @@ def build_stage(
         raise AgentError(f"the plan has no stage {stage_name!r} (it has {sorted(stages)})")
     if sp.kind != "dpu":
         raise AgentError(f"stage {stage_name!r} is placed on {sp.device} ({sp.kind}), not a DPU")
-    inside = set(sp.nodes)
     nodes = [pipeline.node(n) for n in sp.nodes]
-    for node in nodes:
-        for ref in node.inputs:
-            if not ref.is_input and ref.source not in inside:
-                raise AgentError(
-                    f"node '{node.name}' reads '{ref}' from another stage; "
-                    "an agent stage reads only the pipeline's inputs"
-                )
+    inputs = stage_inputs(pipeline, sp, limits)
     out_specs: dict[str, TensorSpec] = {}
     for key in leaving(pipeline, sp):  # what the host side expects back, in its order
         name, _, port = key.partition(".")
@@ -167,6 +163,7 @@ def build_stage(
         out_specs,
         batch_max_size,
         batch_max_wait_ms / 1000,
+        inputs,
         pipeline_id(plan.pipeline),
         next_id,
     )

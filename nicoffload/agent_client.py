@@ -19,6 +19,7 @@ from typing import Any
 
 from dpu_agents import auth
 from dpu_agents.protocol import (
+    PROTOCOL,
     AuthMeta,
     ChallengeMeta,
     HelloMeta,
@@ -105,6 +106,10 @@ class AgentClient:
         self._ch.record()  # the session's keys are bound to the four frames of the handshake
         self._ch.send(frame(Kind.HELLO, HelloMeta(client_name)))
         challenge = decode_meta(self._expect(Kind.CHALLENGE, timeout), ChallengeMeta)
+        if challenge.protocol != PROTOCOL:  # its REQUEST format is not ours: nothing would run
+            raise AgentError(
+                f"agent at {self.address} speaks {challenge.protocol!r}, this client {PROTOCOL}"
+            )
         mine = auth.nonce()
         proof = auth.client_proof(token, challenge.nonce, mine)
         self._ch.send(frame(Kind.AUTH, AuthMeta(mine, proof)))
@@ -242,7 +247,7 @@ class AgentClient:
         return ack
 
     def submit(
-        self, request_id: int, values: Mapping[str, bytes | str], *, timeout: float | None = None
+        self, request_id: int, values: Mapping[str, Any], *, timeout: float | None = None
     ) -> None:
         """Send one request to the ingress (a batch of one: see `submit_batch`)."""
         self.submit_batch(request_id, [values], timeout=timeout)
@@ -257,9 +262,18 @@ class AgentClient:
         """Send a batch of requests (ids first_id, first_id + 1, ...) to the ingress: one
         REQUEST frame and one credit for the lot (more when it is larger than one frame may
         carry: WELCOME's max_request_bytes); blocks while the agent holds every credit
-        (AgentError once the agent is dead, or after `timeout` s if one is given)."""
+        (AgentError once the agent is dead, or after `timeout` s if one is given).
+
+        An item maps value keys to bytes, str (text) or numpy arrays (tensors: a value leaving
+        an earlier stage, "decode" or "tok.input_ids"); of those, only the keys the loaded
+        stage reads (LOAD's `inputs`) are sent. A value the wire cannot carry (an array of a
+        dtype it has no code for, or with a dim of 0) is a ValueError before anything is sent.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         limit = self.agent.max_request_bytes
+        reads = self.loaded.inputs if self.loaded is not None else ()
+        if reads:
+            items = [{k: v[k] for k in reads if k in v} for v in items]
         for _, head, parts in request_frames(first_id, items, limit):
             self._take_credit(deadline, timeout)
             try:

@@ -19,7 +19,7 @@ from test_agent_hardening import proc_status, served, start_agent, token_file  #
 
 from dpu_agents import auth
 from dpu_agents.local import LocalAgent
-from dpu_agents.protocol import RequestMeta
+from dpu_agents.protocol import BYTES, RequestMeta
 from nicoffload.agent_client import AgentClient
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
@@ -123,7 +123,8 @@ class Peak(threading.Thread):
 
 def declare(client: AgentClient, request_id: int, nbytes: int) -> None:
     """Send a REQUEST head declaring `nbytes` of payload, and none of the payload."""
-    blob = encode_meta(RequestMeta(("image",), (False,), nbytes.to_bytes(4, "little")))
+    meta = RequestMeta(("image",), (BYTES,), (0,), (0,), nbytes.to_bytes(4, "little"), b"")
+    blob = encode_meta(meta)
     head = Header(
         Kind.REQUEST, request_id=request_id, batch_size=1, meta_len=len(blob), payload_len=nbytes
     )

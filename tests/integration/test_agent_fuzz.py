@@ -31,6 +31,7 @@ import nicoffload
 from dpu_agents import auth
 from dpu_agents.local import LocalAgent
 from dpu_agents.protocol import (
+    TEXT,
     AuthMeta,
     ChallengeMeta,
     HelloMeta,
@@ -198,7 +199,7 @@ _META = st.one_of(
         st.text(max_size=8), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8), max_size=4
     ),
     st.just(HelloMeta("fuzz")),
-    st.just(RequestMeta(("text",), (True,), (3).to_bytes(4, "little"))),
+    st.just(RequestMeta(("text",), (TEXT,), (0,), (0,), (3).to_bytes(4, "little"), b"")),
 )
 
 
@@ -229,32 +230,36 @@ def control_frame(draw: st.DrawFn, kinds: st.SearchStrategy[Kind]) -> bytes:
     return frame(draw(kinds), draw(_META), request_id=draw(_ID))
 
 
-_LIES = st.sampled_from(["none", "sum", "count", "lengths", "names", "flags"])
+_LIES = st.sampled_from(["none", "sum", "count", "lengths", "names", "kinds", "shape"])
 
 
 @st.composite
 def request_frames(draw: st.DrawFn) -> bytes:
     """One REQUEST of a batch of 1-4 items (values back to back, their lengths in the meta),
     honest or lying (lengths that do not add up, a batch_size that does not match them, a
-    lengths blob of the wrong size, an input named twice, text flags that do not match), with
-    wrong inputs, garbage images, or an odd id."""
+    lengths blob of the wrong size, an input named twice, kinds that do not match, a tensor
+    shape that is not its length), with wrong inputs, garbage images, tensors, or an odd id."""
     names = draw(st.lists(st.sampled_from(["image", "text", "other"]), max_size=3, unique=True))
-    text = [draw(st.booleans()) for _ in names]
+    kinds = [draw(st.sampled_from(["bytes", "text", "tensor"])) for _ in names]
     n = draw(st.integers(1, 4))
     pick = st.binary(max_size=96) | st.just(b"\xff\xd8\xff\xe0" + bytes(40))
     items = [{k: draw(pick) for k in names} for _ in range(n)]
     for item in items:
-        for k, t in zip(names, text, strict=True):
-            if t:
+        for k, kind in zip(names, kinds, strict=True):
+            if kind == "text":
                 item[k] = item[k].decode("latin-1")
+            elif kind == "tensor":
+                item[k] = np.frombuffer(item[k] or b"\0", np.uint8).reshape(1, -1, 1)
     first = draw(_ID) % (2**64 - 8)
     _, head, parts = next(request_frames_of(first, items, 1 << 20))
     body = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in parts)
     lie = draw(_LIES)
     if lie == "none":
         return head + body
-    lengths = [len(bytes(p)) for p in parts]
-    count, flags, keys = n, tuple(text), tuple(names)
+    honest = decode_meta(head[HEADER_SIZE:], RequestMeta)
+    lengths = np.frombuffer(honest.lengths, "<u4").tolist()
+    count, codes, keys, shapes = n, honest.kinds, tuple(names), honest.shapes
+    dtypes, ndims = honest.dtypes, honest.ndims
     if lie == "sum":
         lengths = [*(lengths or [0])[:-1], draw(st.integers(0, 2**32 - 1))]
     elif lie == "count":
@@ -263,10 +268,16 @@ def request_frames(draw: st.DrawFn) -> bytes:
         lengths = [*lengths, draw(st.integers(0, 9))]
     elif lie == "names":
         keys = (*keys, "image") if "image" in keys else ("image", "image")
-        flags = (*flags, False) if len(flags) < len(keys) else flags
+        codes, dtypes, ndims = (*codes, 0), (*dtypes, 0), (*ndims, 0)
+    elif lie == "kinds":
+        codes = (*codes, 1)
+    elif shapes:  # a dim of 0, one past the length, or a product past 2**32
+        dim = draw(st.sampled_from([0, 2**32 - 1]))
+        at = draw(st.integers(0, len(shapes) // 4 - 1))
+        shapes = shapes[: 4 * at] + dim.to_bytes(4, "little") + shapes[4 * at + 4 :]
     else:
-        flags = (*flags, True)
-    meta = RequestMeta(keys, flags, np.asarray(lengths, "<u4").tobytes())
+        dtypes = (*dtypes[:-1], 5) if dtypes else (5,)
+    meta = RequestMeta(keys, codes, dtypes, ndims, np.asarray(lengths, "<u4").tobytes(), shapes)
     blob = encode_meta(meta)
     lying = Header(
         Kind.REQUEST, request_id=first, batch_size=count, meta_len=len(blob), payload_len=len(body)

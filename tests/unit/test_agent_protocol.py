@@ -1,5 +1,6 @@
 """The REQUEST frame: a batch of items back to back with their lengths in the meta; every
-length checked against the header before the payload is read, a lying frame refused whole."""
+length checked against the header before the payload is read, a lying frame refused whole.
+(Tensor values: tests/unit/test_agent_tensor_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 
 from dpu_agents.protocol import (
+    BYTES,
     MAX_VALUES,
+    TEXT,
     RequestMeta,
     request_frames,
     request_sizes,
@@ -45,7 +48,7 @@ def test_frames_are_cut_at_max_bytes_and_where_the_inputs_change() -> None:
 
 
 def lie(meta: RequestMeta, header: Header, **changes) -> tuple[Header, RequestMeta]:
-    fields = {"names": meta.names, "text": meta.text, "lengths": meta.lengths}
+    fields = {f: getattr(meta, f) for f in meta.__struct_fields__}
     heads = {k: changes.pop(k) for k in ("batch_size", "payload_len") if k in changes}
     m = RequestMeta(**(fields | changes))
     h = Header(
@@ -66,7 +69,9 @@ def lie(meta: RequestMeta, header: Header, **changes) -> tuple[Header, RequestMe
         ({"batch_size": 1 << 31}, "batch_size"),  # past MAX_VALUES
         ({"lengths": b"\x01\x00\x00"}, "batch_size"),  # not 4 bytes a value
         ({"names": ("image", "image")}, "meta"),  # an input twice
-        ({"text": (True,)}, "meta"),  # a flag short
+        ({"kinds": (TEXT,)}, "meta"),  # a kind short
+        ({"kinds": (BYTES, 7)}, "meta"),  # no such kind
+        ({"dtypes": (1, 0)}, "meta"),  # a dtype for bytes
     ],
 )
 def test_a_lying_batch_is_a_frame_error_before_its_payload_is_read(change, field) -> None:
@@ -78,15 +83,15 @@ def test_a_lying_batch_is_a_frame_error_before_its_payload_is_read(change, field
 
 def test_the_lengths_are_checked_whole_not_wrapped() -> None:
     # two values whose uint32 lengths add up to 2**32 + 2: no wrap-around makes them fit 2 bytes
-    meta = RequestMeta(("a",), (False,), np.array([2**32 - 1, 3], "<u4").tobytes())
+    meta = RequestMeta(("a",), (BYTES,), (0,), (0,), np.array([2**32 - 1, 3], "<u4").tobytes(), b"")
     header = Header(Kind.REQUEST, request_id=1, batch_size=2, payload_len=2)
     with pytest.raises(FrameError, match="payload_len"):
         request_sizes(header, meta)
 
 
 def test_a_batch_of_most_values_fits_and_one_more_does_not() -> None:
-    ok = RequestMeta(("a",), (False,), bytes(4 * MAX_VALUES))
+    ok = RequestMeta(("a",), (BYTES,), (0,), (0,), bytes(4 * MAX_VALUES), b"")
     assert request_sizes(Header(Kind.REQUEST, batch_size=MAX_VALUES), ok).shape == (MAX_VALUES, 1)
-    more = RequestMeta(("a",), (False,), bytes(4 * (MAX_VALUES + 1)))
+    more = RequestMeta(("a",), (BYTES,), (0,), (0,), bytes(4 * (MAX_VALUES + 1)), b"")
     with pytest.raises(FrameError, match="batch_size"):
         request_sizes(Header(Kind.REQUEST, batch_size=MAX_VALUES + 1), more)
