@@ -1,5 +1,5 @@
-"""What a run is: its plan and devices (`prepare`), the agent serving its DPU stage
-(`open_front`), and what it returns (`RunResult`, with `RunStats`, the `run --json` shape).
+"""What a run is: its plan and devices (`prepare`), the agents serving its DPU stages
+(`open_fronts`), and what it returns (`RunResult`, with `RunStats`, the `run --json` shape).
 `nicoffload.session` runs it: `nicoffload.open` / `nicoffload.run`.
 """
 
@@ -202,37 +202,47 @@ def check_plan_devices(prep: Prepared, plan_file: str) -> None:
 
 @contextlib.contextmanager
 def open_front(prep: Prepared) -> Iterator[RemoteFront | None]:
-    """The agent serving the plan's leading DPU stage (started here when emulated), or None."""
+    """The agent front of the plan's leading DPU stage (started here when emulated), or None."""
     first = prep.plan.stages[0]
-    if first.kind != "dpu":
-        yield None
-        return
-    if prep.topology is None or first.device not in prep.topology.ids:
-        raise DeviceError(
-            f"stage '{first.name}' runs on '{first.device}': give the topology that says where "
-            "its agent listens (--topology)"
-        )
-    device = prep.topology.device(first.device)
-    from nicoffload.runtime.remote import open_front as _open
+    with open_fronts(prep) as fronts:
+        yield fronts.get(first.name)
 
-    gpu = None
+
+@contextlib.contextmanager
+def open_fronts(prep: Prepared) -> Iterator[dict[str, RemoteFront]]:
+    """The agent front of each of the plan's DPU stages, by stage name (the agents started
+    here when emulated): one connection and receiver each, sized by the plan's physical
+    decisions. A DPU stage that the fast path feeds straight into a GPU stage lands its
+    outputs on the GPU."""
     stages = prep.plan.stages
-    if len(stages) > 1 and stages[1].kind == "gpu":  # DPU -> GPU: land the outputs on the GPU
-        from nicoffload.devices.gpu import device as gpu_device
-
-        gpu = gpu_device()
+    dpus = [s for s in stages if s.kind == "dpu"]
+    if not dpus:
+        yield {}
+        return
+    for st in dpus:
+        if prep.topology is None or st.device not in prep.topology.ids:
+            raise DeviceError(
+                f"stage '{st.name}' runs on '{st.device}': give the topology that says where "
+                "its agent listens (--topology)"
+            )
     from nicoffload.planner import physical
+    from nicoffload.runtime.chain import fast_path
+    from nicoffload.runtime.fronts import Wanted
+    from nicoffload.runtime.fronts import open_fronts as _open
 
     plan = physical.complete(prep.pipeline, prep.plan, prep.topology)
-    decided = physical.of_stage(plan, first)  # the runtime's choices are the plan's
-    with _open(
-        prep.pipeline,
-        plan,
-        first,
-        device,
-        transport=str(decided["scheme"]),
-        slots=int(decided["slots"]),
-        token_file=prep.token_file,
-        gpu=gpu,
-    ) as front:
-        yield front
+    wanted = []
+    for i, st in enumerate(stages):
+        if st.kind != "dpu":
+            continue
+        gpu = None
+        # DPU -> GPU on the fast path: land the outputs on the GPU
+        if i == 0 and len(stages) > 1 and stages[1].kind == "gpu" and fast_path(plan):
+            from nicoffload.devices.gpu import device as gpu_device
+
+            gpu = gpu_device()
+        decided = physical.of_stage(plan, st)  # the runtime's choices are the plan's
+        device = prep.topology.device(st.device)
+        wanted.append(Wanted(st, device, str(decided["scheme"]), int(decided["slots"]), gpu))
+    with _open(prep.pipeline, plan, wanted, token_file=prep.token_file) as fronts:
+        yield fronts

@@ -1,5 +1,5 @@
-"""A Session: a pipeline opened once (planned, its agent started or attached, its stage loaded,
-its receiver listening, its kernels bound) that then serves many calls.
+"""A Session: a pipeline opened once (planned, its agents started or attached, its DPU stages
+loaded, their receivers listening, its kernels bound) that then serves many calls.
 
     with nicoffload.open("pipelines/resnet50.yaml") as s:
         for batch in s.stream(items): ...      # batches as they complete
@@ -30,8 +30,9 @@ from nicoffload.graph import Pipeline
 from nicoffload.inputs import values_items
 from nicoffload.planner.plan import Plan
 from nicoffload.report import finish_stats
-from nicoffload.runner import Prepared, RunResult, RunStats, open_front, prepare
-from nicoffload.runtime.executor import Batch, Executor
+from nicoffload.runner import Prepared, RunResult, RunStats, open_fronts, prepare
+from nicoffload.runtime.chain import Chain, executor_for
+from nicoffload.runtime.executor import Batch
 
 
 class SessionClosed(SystemFailure):
@@ -56,9 +57,11 @@ class Session:
         self._active_thread = 0  # the thread that made it
         t0 = time.perf_counter()
         try:
-            self.front = self._stack.enter_context(open_front(prep))
+            # one front per DPU stage, opened once and reused by every call
+            self.fronts = self._stack.enter_context(open_fronts(prep))
+            self.front = self.fronts.get(prep.plan.stages[0].name)  # the leading DPU stage's
             self.executor = self._stack.enter_context(
-                Executor(prep.pipeline, prep.plan, workers=workers, front=self.front)
+                executor_for(prep.pipeline, prep.plan, workers=workers, fronts=self.fronts)
             )
         except BaseException:
             self._stack.close()
@@ -148,7 +151,10 @@ class Session:
         stats.wall_s = time.perf_counter() - t0
         stats.host_cpu_s = time.process_time() - cpu0
         stats.errors_by_reason = dict(reasons)
-        finish_stats(stats, ex, front)
+        if isinstance(ex, Chain):
+            ex.report(stats)
+        else:
+            finish_stats(stats, ex, front)
         if self._cancel.is_set():
             raise SessionClosed(
                 f"the session was closed during the call, after {stats.items} items"

@@ -28,6 +28,28 @@ def spec_of_key(pipeline: Pipeline, key: str) -> TensorSpec:
     return pipeline.node(name).out_specs[port or "out"]
 
 
+def placeholder(spec: TensorSpec) -> Any:
+    """What a failed row carries to the GPU: a tiny zero image (its result is discarded)."""
+    if spec.dtype in ("bytes", "str"):
+        return b"" if spec.dtype == "bytes" else ""
+    return np.zeros([d if isinstance(d, int) else 1 for d in spec.shape], spec.dtype)
+
+
+def zero_failed(out: dict[str, Any], ok: np.ndarray) -> dict[str, Any]:
+    """`out`'s batch values (tensors, or lists of rows) with the rows not `ok` zeroed (None
+    in lists), in place: a failed row never carries a partial result."""
+    if ok.all():
+        return out
+    bad = np.flatnonzero(~ok).tolist()
+    for v in out.values():
+        if isinstance(v, list):
+            for i in bad:
+                v[i] = None
+        else:
+            v[bad] = 0
+    return out
+
+
 @dataclass
 class GpuRows:
     """One batch's inputs to the GPU stage as the host fills them, row by row; `stamps` says
@@ -104,11 +126,7 @@ class GpuFeed:
             self.stage.ring.give_back(rows.pinned.slot)
 
     def _placeholder(self, key: str) -> Any:
-        """What a failed row carries to the GPU: a tiny zero image (its result is discarded)."""
-        spec = self.specs[key]
-        if spec.dtype in ("bytes", "str"):
-            return b"" if spec.dtype == "bytes" else ""
-        return np.zeros([d if isinstance(d, int) else 1 for d in spec.shape], spec.dtype)
+        return placeholder(self.specs[key])
 
     def batch_inputs(self, rows: GpuRows, n: int, ok: np.ndarray) -> dict[str, Any]:
         """The GPU stage's `{input key: items}` for the first `n` rows."""
@@ -152,16 +170,7 @@ class GpuFeed:
     def outputs_of(self, gb: Any, ok: np.ndarray, refs: Mapping[str, str]) -> dict[str, Any]:
         """A finished batch's outputs by output name (CUDA tensors); failed rows zeroed."""
         out = {name: gb.outputs[ref] for name, ref in refs.items() if ref in gb.outputs}
-        if ok.all():
-            return out
-        bad = np.flatnonzero(~ok).tolist()
-        for v in out.values():
-            if isinstance(v, list):
-                for i in bad:
-                    v[i] = None
-            else:
-                v[bad] = 0
-        return out
+        return zero_failed(out, ok)
 
     def step_ms_per_item(self) -> dict[str, float]:
         return self.stage.step_ms_per_item()

@@ -34,9 +34,10 @@ def load_text(pipeline: Pipeline, stage: StagePlan, folder: Path | None) -> tupl
     where = folder / "tokenizers"
     where.mkdir(exist_ok=True)
     ids: dict[str, str] = {}
-    for i, (node, path) in enumerate(sorted(files.items())):
+    order = [n.name for n in pipeline.nodes]  # ids by the node's place: unique across stages
+    for node, path in sorted(files.items()):
         stem = re.sub(r"[^A-Za-z0-9_.@-]", "-", path.stem)[:40] or "tokenizer"
-        ids[node] = f"t{i}-{stem}"
+        ids[node] = f"t{order.index(node)}-{stem}"
         shutil.copyfile(path, where / f"{ids[node]}.json")
     doc = yaml.safe_load(text)
     for entry in doc["nodes"]:

@@ -10,10 +10,7 @@ on the host, and a late result for an item already taken back is ignored: exactl
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -21,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nicoffload.errors import AgentError, DeviceError, Mark, TransportError, UserError
+from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import Pipeline
-from nicoffload.planner.physical import leaving
+from nicoffload.planner.physical import leaving  # noqa: F401  (the executor imports it here)
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import DRAINING, ON_HOST
-from nicoffload.runtime.loadtext import load_text
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
 
@@ -263,138 +259,13 @@ def open_front(
     gpu: Any = None,
 ) -> Iterator[RemoteFront]:
     """Reach the agent of `device` (start one on loopback when the device is emulated), load the
-    stage on it, and listen for what it forwards. Everything is closed on the way out.
+    stage on it, and listen for what it forwards (`fronts.open_fronts` for one stage: see there,
+    also for `gpu`). Everything is closed on the way out."""
+    from nicoffload.runtime.fronts import Wanted, open_fronts
 
-    `gpu` (a `GpuDevice`): the stage's outputs go straight to a GPU stage, so they are landed in
-    that GPU's memory as they arrive (`GpuLanding`): over rdma the receiver's ring is GPU memory
-    itself where GPUDirect is possible (`rdma://...?gpu=N`), otherwise, and over shm and tcp,
-    the receiver's host ring is page-locked and each batch copied to the GPU asynchronously."""
-    from nicoffload.planner import physical
-    from nicoffload.transport import listen
-
-    keys = leaving(pipeline, stage)
-    batch = pipeline.batch_max_size
-    # sized for this pipeline's batch (DeviceError, before any agent starts, when it cannot fit)
-    slot_bytes = int(physical.stage_physical(pipeline, plan, stage, None)["slot_bytes"])
-    rdma_device = None
-    if transport == "rdma":  # before any agent starts: no RDMA device is a clear failure
-        from nicoffload.transport import verbs
-
-        try:
-            rdma_device = verbs.pick_device(None)
-        except DeviceError as exc:
-            raise DeviceError(
-                f"{device.id}: the plan moves stage '{stage.name}' outputs over rdma, but {exc}"
-            ) from exc
-    with contextlib.ExitStack() as stack:
-        folder = None
-        if device.emulated:
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nicoffload-")))
-        text, tokenizers = load_text(pipeline, stage, folder)
-        try:
-            client = stack.enter_context(_reach(stack, device, token_file, folder, tokenizers))
-        except _Died as exc:  # the local agent died while it started
-            yield RemoteFront.gone(stage, f"the local agent died while it started: {exc}")
-            return
-        on_gpu = "" if gpu is None else f"&gpu={gpu.device.index or 0}"
-        where = {
-            "shm": f"shm://nicoffload-{secrets.token_hex(6)}",
-            "rdma": f"rdma://{client.local_host}:0?device={rdma_device}{on_gpu}",
-        }.get(transport, f"tcp://{client.local_host}:0")
-        # Only the agent's sender of this session holds the key: a stranger cannot attach first
-        # nor inject a batch (every frame is checked against its MAC; over tcp, payloads too).
-        rx = stack.enter_context(
-            listen(where, slots=slots, slot_bytes=slot_bytes, key=client.forward_key)
-        )
-        landing = destination = None
-        if gpu is not None:
-            from nicoffload.transport import gpudirect
-            from nicoffload.transport.gpu_landing import GpuLanding
-
-            destination = getattr(rx, "destination", None) or gpudirect.Destination(
-                gpudirect.PINNED, gpudirect.host_ring_reason(transport)
-            )
-            landing = stack.enter_context(GpuLanding(rx, gpu))  # closed before the receiver
-        try:
-            client.load(
-                text,
-                plan,
-                stage.name,
-                rx.address,
-                batch_max_size=batch,
-                batch_max_wait_ms=pipeline.batch_max_wait_ms,
-            )
-        except AgentError as exc:
-            if client.alive:  # the agent answered: it refuses the stage
-                raise DeviceError(
-                    f"{device.id}: the agent did not load stage '{stage.name}': {exc}"
-                ) from exc
-            yield RemoteFront.gone(stage, f"the agent died while it loaded the stage: {exc}")
-            return
-        yield RemoteFront(stage, client, rx, keys, landing, destination)
-
-
-class _Died(Exception):
-    """The emulated DPU's agent died before it could be reached."""
-
-
-@contextlib.contextmanager
-def _reach(
-    stack: contextlib.ExitStack,
-    device: Device,
-    token_file: str | Path | None,
-    folder: Path | None,
-    tokenizers: Path | None,
-):
-    """An authenticated AgentClient to `device`'s agent; an emulated one is started first, in
-    `folder`, with `tokenizers` as its tokenizer_dir (see `loadtext`).
-
-    A wrong or missing token is the user's mistake (UserError); a real agent that does not
-    answer is a DeviceError; an emulated one that dies on the way is `_Died` (failover)."""
-    from dpu_agents import auth
-    from dpu_agents.local import LocalAgent
-    from nicoffload.agent_client import AgentClient
-
-    if device.emulated:
-        assert folder is not None
-        token_file = folder / "agent.token"
-        auth.write_token(token_file)
-        config = None
-        if tokenizers is not None:
-            config = folder / "agent.toml"
-            config.write_text(f"tokenizer_dir = {json.dumps(str(tokenizers))}\n")
-        try:
-            agent = stack.enter_context(LocalAgent(token_file, cores=device.cores, config=config))
-        except AgentError as exc:
-            raise _Died(str(exc)) from exc
-        reached: list[Any] = []
-        # an agent found dead (or hung: SIGSTOP) is killed at once, not asked to drain, which
-        # would wait its whole stop timeout for an answer that cannot come
-        stack.callback(lambda: reached and reached[0].failed is not None and agent.kill())
-        address = agent.address
-        stack.enter_context(cores_apart(agent.cores))
-    else:
-        if token_file is None:
-            raise UserError(
-                f"{device.id}: the agent at {device.address} needs its token: pass --token-file"
-            )
-        address = device.address or ""
-    token = auth.read_token(token_file)  # UserError: missing, unreadable, too open, too short
-    try:
-        client = AgentClient(address, token)
-    except (AgentError, OSError) as exc:
-        if device.emulated:
-            raise _Died(str(exc)) from exc
-        if "authentication failed" in str(exc):
-            raise UserError(
-                f"the agent of {device.id} at {address} refused this token: {exc}",
-                Mark(str(token_file), 1, 1),
-            ) from None
-        raise DeviceError(f"{device.id}: cannot reach the DPU agent at {address}: {exc}") from exc
-    if device.emulated:
-        reached.append(client)
-    with client:
-        yield client
+    want = Wanted(stage, device, transport, slots, gpu)
+    with open_fronts(pipeline, plan, [want], token_file=token_file) as fronts:
+        yield fronts[stage.name]
 
 
 @contextlib.contextmanager
