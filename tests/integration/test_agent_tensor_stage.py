@@ -114,6 +114,37 @@ def test_a_dpu_stage_fed_the_hosts_decoded_images_is_bit_exact(agent, rx, stages
         assert rows[rid].view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
 
 
+def test_the_second_dpu_stage_of_dpu_host_dpu_reads_the_hosts_resize(agent, rx) -> None:
+    """DPU -> host -> DPU: the last stage reads "resize" (uint8[Hr,Wr,3], its dims dynamic),
+    the host's output of the middle stage; every stage but the last is run here, on the host
+    (the same kernels the agent binds), and the last also, to compare."""
+    placement = {"decode": "dpu0", "resize": "cpu", "crop": "dpu0", "norm": "dpu0"}
+    pipeline = load_pipeline(RESNET)
+    plan_stages, transfers = stages_for(pipeline, placement)
+    plan = Plan(pipeline.name, placement, plan_stages, transfers)
+    on_host = [
+        Stage(pipeline, dataclasses.replace(s, kind="cpu", device="cpu"), {"resize", "norm"})
+        for s in plan.stages
+    ]
+    tasks = []
+    for i, (h, w) in enumerate([(300, 400), (512, 256)]):
+        values = {"image": jpeg(10 + i, h, w)}
+        for st in on_host[:2]:
+            st.process(values, {})
+        tasks.append(values)
+    assert tasks[1]["resize"].shape == (512, 256, 3)
+    with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
+        assert load(client, plan, plan.stages[-1].name, rx).inputs == ("resize",)
+        client.submit_batch(1, tasks, timeout=WAIT_S)  # with "image" and "decode": not sent
+        (d,) = collect(rx, 2)
+        assert d.meta["request_ids"] == [1, 2] and not d.meta.get("failed")
+        for row, values in enumerate(tasks):
+            want = np.empty((3, 224, 224), np.float16)
+            on_host[2].process({"resize": values["resize"]}, {"norm": want})
+            assert np.array(d.tensors["norm"][row]).tobytes() == want.tobytes()
+        rx.release(d)
+
+
 def test_a_tensor_unlike_the_stages_input_fails_alone(agent, rx, stages) -> None:
     plan, stage, decode, _ = stages
     good = decoded(decode, jpeg(1, 300, 400))
