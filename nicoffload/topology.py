@@ -26,12 +26,13 @@ DEVICE_KEYS = ("kind", "cores", "capacity", "memory", "address", "profile", "emu
 LINK_KEYS = ("between", "transport", "bandwidth", "latency", "cpu_ns_per_byte", "cpu_us_per_batch")
 # CPU time at each CPU endpoint (cpu or dpu) of a hop, per byte and per batch, as nicoffload's
 # own transports cost it (`nicoffload profile` measures tcp and shm on a machine; these are the
-# 2-core development VM's figures, 2026-12-02): TCP copies and MACs every byte on both sides;
+# 2-core development VM's figures, 2026-12-02, GMAC frames): TCP copies and MACs every byte on
+# both sides;
 # shared memory is one memcpy by the sender and a MAC on the control frames only; RDMA and DMA
 # move bytes without the CPU (their per-batch cost, posting and completing, is not measured yet).
 TRANSPORTS: dict[str, dict[str, float]] = {
     "shm": {"latency_ms": 0.04, "cpu_ns_per_byte": 0.06, "cpu_us_per_batch": 40.0},
-    "tcp": {"latency_ms": 0.08, "cpu_ns_per_byte": 1.0, "cpu_us_per_batch": 50.0},
+    "tcp": {"latency_ms": 0.08, "cpu_ns_per_byte": 0.3, "cpu_us_per_batch": 60.0},
     "rdma": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
     "rdma-gpudirect": {"latency_ms": 0.005, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
     "pcie": {"latency_ms": 0.01, "cpu_ns_per_byte": 0.0, "cpu_us_per_batch": 0.0},
