@@ -144,7 +144,8 @@ def best_row(metrics: Metrics, goal: Goal) -> int | None:
     if not len(feasible):
         return None
     primary, secondary = (k[feasible] for k in metrics.keys(goal.objective))
-    tied = primary <= primary.min() * (1 + REL_TOL) + 1e-12
+    low = primary.min()
+    tied = primary <= low + abs(low) * REL_TOL + 1e-12  # abs: a key may be below zero
     return int(feasible[tied][np.argmin(secondary[tied])])
 
 
