@@ -44,6 +44,11 @@ class KernelCost:
         return self.a_ms + self.b_ms * work
 
 
+# The frame MAC the links' CPU figures were measured under (`transport.integrity`: GMAC since
+# 2026-12-02; HMAC-SHA256 before, about 3x the CPU per byte).
+FRAME_MAC = "gmac"
+
+
 @dataclass(frozen=True)
 class LinkCost:
     """A transport as measured on a machine; topology files may override any of it."""
@@ -101,7 +106,7 @@ class Profile:
                     **(
                         {}
                         if c.cpu_us_per_batch is None
-                        else {"cpu_us_per_batch": c.cpu_us_per_batch}
+                        else {"cpu_us_per_batch": c.cpu_us_per_batch, "frame_mac": FRAME_MAC}
                     ),
                 }
                 for t, c in sorted(self.links.items())
@@ -166,9 +171,10 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             _number(body, "latency_ms", where, source),
             _number(body, "bandwidth_bytes_per_s", where, source) or 1.0,
             _number(body, "cpu_ns_per_byte", where, source),
-            # profiles written before it was measured lack it
+            # profiles written before it was measured lack it, and a link measured under
+            # another frame MAC has CPU figures of another cost: both priced by the defaults
             _number(body, "cpu_us_per_batch", where, source)
-            if "cpu_us_per_batch" in body
+            if "cpu_us_per_batch" in body and body.get("frame_mac") == FRAME_MAC
             else None,
         )
     return Profile(

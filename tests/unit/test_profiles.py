@@ -288,3 +288,18 @@ def test_profile_of_the_gpu_says_how_it_is_measured() -> None:
     assert result.exit_code != 0
     assert "bench_gpu.py" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_link_measured_under_another_frame_mac_is_priced_by_the_defaults(tmp_path: Path) -> None:
+    """HMAC-SHA256 frames cost about 3x GMAC's CPU per byte: a link measured under it keeps its
+    bandwidth and latency, its CPU comes from the transport's defaults until measured again."""
+    from nicoffload import topology
+
+    doc = Profile("cpu", {}, {"tcp": LinkCost(0.03, 2.5e9, 1.0, 45.0)}).to_json()
+    assert doc["links"]["tcp"]["frame_mac"] == "gmac"
+    doc["links"]["tcp"].pop("frame_mac")  # as profiles measured before GMAC were written
+    (tmp_path / "hmac.json").write_text(json.dumps(doc))
+    assert load_profile(tmp_path / "hmac.json").links["tcp"].cpu_us_per_batch is None
+    link = topology._measured_link("dpu0", "cpu", "tcp", str(tmp_path / "hmac.json"), 1.0)
+    assert link.cpu_ns_per_byte == topology.TRANSPORTS["tcp"]["cpu_ns_per_byte"]
+    assert (link.bandwidth, link.latency_ms) == (2.5e9, 0.03)
