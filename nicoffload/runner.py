@@ -134,10 +134,8 @@ def prepare(
     if plan is None:
         from nicoffload.planner import plan_for
 
-        # Only plans of a shape the executor runs (the planner's note says what the best plan
-        # overall would have been, when it is of another shape).
         topology = topology if topology is not None else local_topology()
-        plan = plan_for(priced_at(pipeline, typical), topology, runnable=True)
+        plan = plan_for(priced_at(pipeline, typical), topology)
         if typical:
             plan = dataclasses.replace(plan, notes=(*plan.notes, typical_note(typical)))
     elif not isinstance(plan, Plan):

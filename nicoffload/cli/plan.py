@@ -204,9 +204,8 @@ def plan(
     runnable: bool | None = typer.Option(
         None,
         "--runnable/--any-shape",
-        help="only plans the runtime runs today: an optional DPU stage first, then host CPU "
-        "stages, then an optional GPU stage; default: on for this machine (no --topology), off "
-        "for a topology file",
+        help="accepted and ignored (deprecated, removed in the next release): the runtime runs "
+        "every placement, so every plan is the best overall",
     ),
 ) -> None:
     """Place every node on a device (exact: DP for chains, MILP for DAGs) and explain why."""
@@ -219,6 +218,12 @@ def plan(
     for flag, value in (("--min-throughput", min_throughput), ("--max-latency-ms", max_latency_ms)):
         if value is not None and value <= 0:
             raise PlanError(f"{flag} must be a positive number, got {value:g}")
+    if runnable is not None:
+        typer.echo(
+            "note: --runnable/--any-shape is a no-op (the runtime runs every placement); "
+            "it goes in the next release",
+            err=True,
+        )
     pl = load_pipeline(pipeline)
     typical = None
     if input_dir is not None:
@@ -239,7 +244,6 @@ def plan(
             max_latency_ms=max_latency_ms,
             explain=True,
             time_limit_s=time_limit,
-            runnable=topology is None if runnable is None else runnable,
         )
     if typical:
         the_plan = dataclasses.replace(the_plan, notes=(*the_plan.notes, typical_note(typical)))

@@ -238,9 +238,9 @@ def plan_for(
     `time_limit_s` bounds the search: the plan, then the runner-up in what is left (reading the
     files, building the model and importing the solver come before it). A DAG's MILP that
     reaches it returns its best plan with a note giving the proven gap.
-    A plan of a shape the runtime does not run yet (`planner.shapes`) gets a note; with
-    `runnable=True` the best plan of a shape it runs is returned instead, and the note says what
-    that costs.
+    The runtime runs every placement, so every plan is the best overall. `runnable` is accepted
+    and ignored (it asked for the best plan of the shapes the runtime used to run; a no-op for
+    one release, then removed).
     """
     if objective not in OBJECTIVES:
         raise PlanError(
@@ -273,8 +273,7 @@ def plan_for(
     else:
         from nicoffload.planner.milp import solve_milp
 
-        # with `runnable`, half the time is kept for the search among runnable shapes
-        result = solve_milp(model, goal, allowed, time_limit=left() / (2 if runnable else 1))
+        result = solve_milp(model, goal, allowed, time_limit=left())
         best = result.placement
         timed_out = best is None and result.status != "infeasible"
         gaps = (result.gap, result.tie_gap)
@@ -305,24 +304,13 @@ def plan_for(
         )
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
-    from nicoffload.planner.shapes import plan_shape
-
-    shaped = plan_shape(model, goal, allowed, best, runnable, left())
-    best, second, shape_notes = shaped.best, shaped.second, shaped.notes
-    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes + shape_notes)
+    plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
     if explain:
         from nicoffload.planner.explain import explanation
 
-        missing = None
-        if second is None and not (runnable and shape_notes):
-            second, missing = runner_up(model, goal, best, allowed, left())
-        elif second is None:
-            missing = "no other placement of a shape the runtime runs"
+        second, missing = runner_up(model, goal, best, allowed, left())
         plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
-    if shaped.runnable_gaps is not None:  # proven among the shapes it runs, not overall
-        gaps = shaped.runnable_gaps
-    record = _search_record(chain, gaps, start, time_limit_s, shaped.runnable_gaps is not None)
-    return replace(plan, search=record)
+    return replace(plan, search=_search_record(chain, gaps, start, time_limit_s))
 
 
 def plan_placement(
@@ -353,17 +341,16 @@ def plan_placement(
 
 
 def _search_record(
-    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float, shapes: bool
+    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float
 ) -> dict:
-    """Plan.search: how the placement was found and what is proven of it (with `shapes`:
-    among the placements of a shape the runtime runs only)."""
+    """Plan.search: how the placement was found and what is proven of it."""
 
     def proven(gap: float) -> float | None:  # a gap of 1 or more bounds nothing
         return round(float(gap), 6) if gap < 1 else None
 
     method = "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)"
     return {
-        "method": method + (", per shape the runtime runs" if shapes else ""),
+        "method": method,
         "seconds": round(time.perf_counter() - start, 3),
         "time_limit_s": time_limit_s,
         "gap": proven(gaps[0]),

@@ -1,7 +1,7 @@
 """Every placement the planner can produce gives the all-host run's outputs, bit for bit.
 
-For each shipped pipeline: every pin of its nodes to the host or the DPU that the planner turns
-into a runnable plan (all-cpu, all-dpu, each cut), and the unpinned plans of each objective;
+For each shipped pipeline: every pin of its nodes to the host or the DPU (all-cpu, all-dpu, and
+every mix: host -> DPU, DPU -> host -> DPU, ...), and the unpinned plans of each objective;
 then random small DAG pipelines with random pins. The DPU is one real agent process, named in
 the topology as a real DPU, so every run connects, loads and streams as against a BlueField.
 The corpus mixes good items with a truncated JPEG, random bytes and an empty text, so row
@@ -52,7 +52,7 @@ def run(pipeline, items, plan, agent):
 
 
 def plans_of(path: str, folder, agent) -> dict[str, object]:
-    """Every runnable plan of the pipeline's pins over {cpu, dpu}, and each objective's plan."""
+    """The plan of every pin of the pipeline's nodes over {cpu, dpu}, and each objective's."""
     topo = topology_for(agent)
     base = pinned(path, {}, folder, "base")
     names = [n.name for n in base.nodes]
@@ -61,12 +61,12 @@ def plans_of(path: str, folder, agent) -> dict[str, object]:
         pins = dict(zip(names, kinds, strict=True))
         p = pinned(path, pins, folder, "pins-" + "-".join(kinds))
         try:
-            plan = plan_for(p, topo, runnable=True)
+            plan = plan_for(p, topo)
         except PlanError:
-            continue  # a shape the runtime does not run: the planner never produces it
+            continue  # pins no placement can meet (a node neither device runs)
         plans[" ".join(f"{n}@{k}" for n, k in pins.items())] = plan
     for objective in ("throughput", "latency", "host-cpu"):
-        plans[objective] = plan_for(base, topo, objective=objective, runnable=True)
+        plans[objective] = plan_for(base, topo, objective=objective)
     return plans
 
 
@@ -156,14 +156,7 @@ def test_a_random_dag_with_random_pins_equals_its_all_host_run(
     base = pinned(doc, {}, tmp_path, "dag")
     rng = random.Random(pin_seed)
     pins = {n.name: rng.choice(["cpu", "dpu"]) for n in base.nodes}
-    try:
-        plan = plan_for(
-            pinned(doc, pins, tmp_path, "dag-pinned"), topology_for(agent), runnable=True
-        )
-    except PlanError:
-        plan = None  # pins of a shape the runtime does not run: the unpinned plan instead
-    if plan is None:
-        plan = plan_for(base, topology_for(agent), runnable=True)
+    plan = plan_for(pinned(doc, pins, tmp_path, "dag-pinned"), topology_for(agent))
     items = corpus(base, 12, seed=pin_seed % 7)
     want = run(base, items, single_device_plan(base, "cpu"), agent)
     got = run(base, items, plan, agent)
