@@ -7,6 +7,10 @@ batch slot (or the pinned staging rows of a trailing GPU stage, `GpuFeed`, which
 finished batch in order); the caller receives whole batches in order. A failing item is recorded
 with its reason and never stops the run; an agent that dies has its unfinished items run on the
 host; any other exception in a worker is carried to the caller and re-raised.
+
+This is the fast path for the shapes it was tuned for ([a DPU stage] -> host CPU stages -> [a GPU
+stage]); every other stage sequence runs on the general path (`runtime.chain`, which
+`chain.executor_for` picks).
 """
 
 from __future__ import annotations

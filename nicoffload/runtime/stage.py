@@ -173,16 +173,16 @@ class Stage:
 
 
 def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:
-    """A plan as [a leading DPU stage], host CPU stages, [a trailing GPU stage]: the shapes this
-    runtime runs; DeviceError for any other."""
+    """A plan as [a leading DPU stage], host CPU stages, [a trailing GPU stage]: the shapes the
+    executor's fast path runs; DeviceError for any other (`runtime.chain` runs those)."""
     stages = list(plan.stages)
     lead = stages.pop(0) if stages[0].kind == "dpu" else None
     tail = stages.pop() if stages and stages[-1].kind == "gpu" else None
     for s in stages:
         if s.kind != "cpu":
             raise DeviceError(
-                f"stage '{s.name}' is placed on '{s.device}': this runtime runs a leading DPU "
-                "stage (through its agent), host CPU stages and a trailing GPU stage; plan "
-                "with a topology without it"
+                f"stage '{s.name}' is placed on '{s.device}': the fast path runs a leading DPU "
+                "stage (through its agent), host CPU stages and a trailing GPU stage; "
+                "runtime.chain runs this plan (chain.executor_for)"
             )
     return lead, stages, tail

@@ -73,3 +73,18 @@ class _NoGpu:
 
     def close(self) -> None:
         pass
+
+
+def test_the_runnable_flag_is_a_no_op_that_says_so(topo: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from nicoffload.cli import build_app
+
+    args = ["plan", "pipelines/resnet50.yaml", "--topology", str(topo), "--json"]
+    plain = CliRunner().invoke(build_app(), args)
+    flagged = CliRunner().invoke(build_app(), [*args, "--runnable"])
+    assert plain.exit_code == flagged.exit_code == 0, flagged.output
+    assert "--runnable/--any-shape is a no-op" in flagged.stderr
+    assert json.loads(flagged.stdout)["placement"] == json.loads(plain.stdout)["placement"]
