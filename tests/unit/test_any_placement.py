@@ -251,3 +251,17 @@ def test_an_abandoned_call_leaves_the_chain_ready_for_the_next(pipeline, items, 
     next(first)
     first.close()
     assert_same(run(chain, items), want)
+
+
+def test_no_items_give_no_batches_and_the_items_error_comes_back_as_it_is(pipeline, items) -> None:
+    plan = plan_of(pipeline, PLACEMENTS["gpu -> cpu"])
+    stand_ins = {plan.stages[0].name: CpuBatchStage(pipeline, plan.stages[0])}
+
+    def broken():
+        yield from items[:3]
+        raise KeyError("the caller's own")
+
+    with Chain(pipeline, plan, workers=2, gpu_stages=stand_ins) as chain:
+        assert list(chain.stream([])) == []
+        with pytest.raises(KeyError, match="the caller's own"):
+            list(chain.stream(broken()))
