@@ -26,10 +26,11 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, Stamps, settle
 from nicoffload.runtime.buffers import put_unless
+from nicoffload.runtime.dpu_part import DpuPart
 from nicoffload.runtime.executor import Executor
 from nicoffload.runtime.gpu_direct import Ingress
 from nicoffload.runtime.gpu_feed import zero_failed
-from nicoffload.runtime.parts import Control, DpuPart, GpuPart, HostPart
+from nicoffload.runtime.parts import Control, GpuPart, HostPart
 from nicoffload.runtime.remote import RemoteFront
 from nicoffload.runtime.stage import StepTime, split_stages
 from nicoffload.runtime.work import Work, stage_reads
