@@ -71,8 +71,11 @@ class Ingress:
         # In the budget before a byte of it is read; over it, this socket is not read
         # (backpressure) until forwarded requests give memory back. Only a frame that no
         # wait could fit is refused, its items failing as too_large (the client sends frames
-        # of at most WELCOME's max_request_bytes: only an item that large alone is refused).
-        reject = _over(self.account, budget.QUEUED, n, "a REQUEST frame's payload")
+        # of at most WELCOME's max_request_bytes, and an item larger as `refused`: unsent).
+        if meta.refused:
+            reject = self._kept(meta.refused)
+        else:
+            reject = _over(self.account, budget.QUEUED, n, "a REQUEST frame's payload")
         queued = n if not reject[0] and n <= self.cfg.max_request_bytes else 0
         self.account.reserve(budget.QUEUED, queued, self.cfg.forward_timeout_s)
         payload = self._payload(header, self.cfg.max_request_bytes, keep=not reject[0])
@@ -90,6 +93,23 @@ class Ingress:
         last = items[-1]
         last.cost = (queued, last.cost[1])
         self._admit(session, items)
+
+    def _kept(self, n: int) -> tuple[str, str]:
+        """The reject of an item of `n` bytes that its client did not send (over WELCOME's
+        max_request_bytes: RequestMeta.refused); a claim that would have fit is a lie."""
+        what = "the request (kept by the client)"
+        reject = _over(self.account, budget.QUEUED, n, what)
+        limit = self.cfg.max_request_bytes
+        if reject[0]:
+            return reject
+        if n <= limit:
+            raise FrameError(
+                f"malformed frame: meta: refused: {n} bytes, within max_request_bytes ({limit})"
+            )
+        return (
+            "too_large",
+            f"{what} needs {n} bytes, more than the agent's max_request_bytes ({limit})",
+        )
 
     def _items(
         self,

@@ -14,7 +14,9 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
     REQUEST request_id=first batch_size=n {names, kinds, dtypes, ndims, lengths, shapes}
             + payload: n items' values (bytes, text or tensors), back to back, each at an
             8-byte boundary (ids first .. first+n-1; one credit per frame; lengths and shapes
-            checked against the header before the payload is read: a lie is a frame error)
+            checked against the header before the payload is read: a lie is a frame error;
+            an item over max_request_bytes goes alone, unsent: `refused` {its size}, no
+            payload, and the agent fails it as too_large)
                                         <-   CREDIT batch_size=m   (m REQUEST frames done)
     STATS / DRAIN / HEARTBEAT / SHUTDOWN #call
                                         <-   STATS / ACK / HEARTBEAT / ACK #call | ERROR #call
@@ -110,7 +112,13 @@ class RequestMeta(msgspec.Struct, array_like=True, frozen=True):
     input j is the (i * k + j)-th value of the payload. Each value takes its length rounded up
     to VALUE_ALIGN bytes (zeros after it, ignored), so every value starts aligned. `shapes`:
     little-endian uint32 dims, item-major, of item i's tensor inputs in input order, ndims[j]
-    each, none 0; a tensor's length is its dims' product x its itemsize (C order)."""
+    each, none 0; a tensor's length is its dims' product x its itemsize (C order).
+
+    `refused` (0: none): the frame is one item the client did not send, its values taking
+    that many payload bytes, more than WELCOME's max_request_bytes; its lengths are 0, its
+    shapes its tensors' own, the payload empty, and the agent fails it as `too_large` (in
+    order, as any failed item is forwarded), so the connection and the batch go on. An agent
+    before this field ignores it (msgspec drops trailing fields it does not know)."""
 
     names: tuple[str, ...]
     kinds: tuple[int, ...]
@@ -118,6 +126,7 @@ class RequestMeta(msgspec.Struct, array_like=True, frozen=True):
     ndims: tuple[int, ...]
     lengths: bytes
     shapes: bytes
+    refused: int = 0
 
 
 def frame(
@@ -172,32 +181,68 @@ def _data(value: Any) -> bytes | memoryview:
     return value if isinstance(value, (bytes, memoryview)) else memoryview(value).cast("B")
 
 
+def _nbytes(value: Any) -> int:
+    """len(_data(value)), without copying an array that is not contiguous."""
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return len(value) if isinstance(value, bytes) else memoryview(value).nbytes
+
+
+def _request_meta(sig: Signature, lengths: list[int], shapes: list[int], refused: int = 0) -> Any:
+    return RequestMeta(
+        tuple(s[0] for s in sig),
+        tuple(s[1] for s in sig),
+        tuple(s[2] for s in sig),
+        tuple(s[3] for s in sig),
+        np.asarray(lengths, "<u4").tobytes(),
+        np.asarray(shapes, "<u4").tobytes(),
+        refused,
+    )
+
+
+def _head(first: int, n: int, meta: RequestMeta, total: int) -> bytes:
+    blob = encode_meta(meta)
+    head = Header(
+        Kind.REQUEST, request_id=first, batch_size=n, meta_len=len(blob), payload_len=total
+    )
+    return head.pack(blob) + blob
+
+
 def request_frames(
     first_id: int, items: Sequence[Mapping[str, Any]], max_bytes: int
-) -> Iterator[tuple[int, bytes, list[Any]]]:
+) -> Iterator[tuple[int, bytes, list[Any] | None]]:
     """The REQUEST frames of `items` (request ids first_id, first_id + 1, ...): (items in the
-    frame, head, payload parts). Values are bytes, str (utf-8 text) or numpy arrays (sent as
+    frame, head, payload parts; None for a refused item's frame, which has none). Values are bytes, str (utf-8 text) or numpy arrays (sent as
     tensors). Consecutive items with the same inputs share a frame, of at most MAX_VALUES
-    values, MAX_SHAPE_DIMS dims and `max_bytes` payload bytes (an item larger goes alone).
+    values, MAX_SHAPE_DIMS dims and `max_bytes` payload bytes. An item larger than that is
+    not sent: its frame is a `refused` one (no payload), which the agent fails as too_large.
     Every item is checked before the first frame: TypeError or ValueError, nothing sent."""
     sigs = [_signature(values) for values in items]
+    sizes = [sum(_padded(_nbytes(v)) for v in values.values()) for values in items]
     at = 0
     while at < len(items):
         sig = sigs[at]
+        if sizes[at] > max_bytes:
+            values = items[at]
+            shapes = [d for v in values.values() if isinstance(v, np.ndarray) for d in v.shape]
+            meta = _request_meta(sig, [0] * len(values), shapes, refused=sizes[at])
+            yield 1, _head(first_id + at, 1, meta, 0), None
+            at += 1
+            continue
         k, dims = max(1, len(sig)), sum(s[3] for s in sig)
         most = max(1, min(MAX_VALUES // k, MAX_SHAPE_DIMS // dims if dims else MAX_VALUES))
         parts: list[Any] = []
         lengths: list[int] = []
-        shapes: list[int] = []
+        shapes = []
         total, n = 0, 0
         while at + n < len(items) and n < most:
-            if n and sigs[at + n] != sig:
+            size = sizes[at + n]
+            if n and (sigs[at + n] != sig or total + size > max_bytes):
                 break
             values = items[at + n]
             data = [_data(v) for v in values.values()]
-            size = sum(_padded(len(d)) for d in data)
-            if n and total + size > max_bytes:
-                break
             for d in data:
                 parts.append(d)
                 if len(d) % VALUE_ALIGN:
@@ -205,23 +250,7 @@ def request_frames(
             lengths += [len(d) for d in data]
             shapes += [dim for v in values.values() if isinstance(v, np.ndarray) for dim in v.shape]
             total, n = total + size, n + 1
-        meta = RequestMeta(
-            tuple(s[0] for s in sig),
-            tuple(s[1] for s in sig),
-            tuple(s[2] for s in sig),
-            tuple(s[3] for s in sig),
-            np.asarray(lengths, "<u4").tobytes(),
-            np.asarray(shapes, "<u4").tobytes(),
-        )
-        blob = encode_meta(meta)
-        head = Header(
-            Kind.REQUEST,
-            request_id=first_id + at,
-            batch_size=n,
-            meta_len=len(blob),
-            payload_len=total,
-        )
-        yield n, head.pack(blob) + blob, parts
+        yield n, _head(first_id + at, n, _request_meta(sig, lengths, shapes), total), parts
         at += n
 
 
@@ -261,6 +290,14 @@ def request_sizes(header: Header, meta: RequestMeta) -> np.ndarray:
     if header.request_id + n - 1 >= 1 << 64:
         raise FrameError(f"malformed frame: request_id: {n} ids from it pass 2**64 - 1")
     sizes = np.frombuffer(meta.lengths, "<u4").astype(np.int64).reshape(n, k)
+    if meta.refused:  # one item the client kept: nothing of it is read
+        if n != 1 or header.payload_len or sizes.any() or not 0 < meta.refused < 1 << 64:
+            raise FrameError(
+                f"malformed frame: meta: refused: {meta.refused} bytes not sent, in a frame "
+                f"of {n} items, {header.payload_len} payload bytes and lengths {sizes.tolist()}"
+                " (a refused item goes alone: no payload, every length 0)"
+            )
+        return sizes
     if dims:
         _check_shapes(meta, sizes)
     total = int(_padded(sizes).sum())

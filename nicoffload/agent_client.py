@@ -258,11 +258,16 @@ class AgentClient:
         items: Sequence[Mapping[str, Any]],
         *,
         timeout: float | None = None,
-    ) -> None:
+    ) -> list[int]:
         """Send a batch of requests (ids first_id, first_id + 1, ...) to the ingress: one
         REQUEST frame and one credit for the lot (more when it is larger than one frame may
         carry: WELCOME's max_request_bytes); blocks while the agent holds every credit
         (AgentError once the agent is dead, or after `timeout` s if one is given).
+
+        An item larger than max_request_bytes is not sent: a frame without its values tells
+        the agent its size, and the agent fails it as `too_large` (its result comes as every
+        failed item's does, in order, naming the size and the limit) while the rest of the
+        batch runs. Returns the ids of the items so kept back.
 
         An item maps value keys to bytes, str (text) or numpy arrays (tensors: a value leaving
         an earlier stage, "decode" or "tok.input_ids"); of those, only the keys the loaded
@@ -274,13 +279,18 @@ class AgentClient:
         reads = self.loaded.inputs if self.loaded is not None else ()
         if reads:
             items = [{k: v[k] for k in reads if k in v} for v in items]
-        for _, head, parts in request_frames(first_id, items, limit):
+        kept, rid = [], first_id
+        for n, head, parts in request_frames(first_id, items, limit):
             self._take_credit(deadline, timeout)
             try:
-                self._ch.send(head, parts)
+                self._ch.send(head, parts or ())
             except TransportError as exc:
                 self._die(str(exc))
                 self._check()
+            if parts is None:
+                kept.append(rid)
+            rid += n
+        return kept
 
     def _take_credit(self, deadline: float | None, timeout: float | None) -> None:
         with self._cond:
