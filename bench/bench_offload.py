@@ -70,7 +70,7 @@ def placements(pipeline, topology) -> dict[str, Plan]:
         out["all gpu"] = pinned({n: "gpu0" for n in nodes})
         out["dpu -> gpu"] = pinned({n: "gpu0" if n == "norm" else "dpu0" for n in nodes})
     for objective in ("throughput", "host-cpu"):
-        out[f"plan: {objective}"] = plan_for(pipeline, topology, objective=objective, runnable=True)
+        out[f"plan: {objective}"] = plan_for(pipeline, topology, objective=objective)
     return out
 
 
