@@ -20,7 +20,7 @@ from nicoffload.planner.physical import leaving, spec_of_key
 from nicoffload.planner.plan import StagePlan
 from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.parts import Control, HostPart
-from nicoffload.runtime.remote import POLL_S, RemoteFront
+from nicoffload.runtime.remote import POLL_S, RERUN_WHY, RemoteFront, split_rerun
 from nicoffload.runtime.work import Work, stage_reads
 
 DEPTH = 4  # batches a DPU stage keeps at its agent at once (the receiver ring's slots)
@@ -170,9 +170,12 @@ class _Flight:
     def on_rows(self, tasks, rows, tensors, bad, release) -> None:
         """A delivery: its failed rows fail, its ok rows' values are copied into their batches
         (the slot is then given back)."""
+        bad, rerun = split_rerun(bad)
         for task, why in bad:
             task.work.fail(task.row, *why)
             self.settled(task.work)
+        if rerun:
+            self.on_host(rerun, RERUN_WHY)
         for task, r in zip(tasks, rows, strict=True):
             for k, v in self.front.row_values(tensors, r).items():
                 task.work.put(k, task.row, v)

@@ -34,7 +34,7 @@ from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
 from nicoffload.runtime.delivered import delivers_outputs, place_rows
 from nicoffload.runtime.gpu_direct import GpuDirect
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
-from nicoffload.runtime.remote import RemoteFront, leaving
+from nicoffload.runtime.remote import RERUN_WHY, RemoteFront, leaving, split_rerun
 from nicoffload.runtime.stage import Stage, StepTime, split_stages
 
 __all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
@@ -241,9 +241,12 @@ class Executor:
 
         def on_rows(tasks: list[_Task], rows: list[int], tensors, bad, release) -> None:
             assert front is not None  # a delivery's failed rows, then its ok ones
+            bad, rerun = split_rerun(bad)
             for task, why in bad:
                 failed(task, *why)
                 finish(task.batch)
+            if rerun:
+                on_host(rerun, RERUN_WHY)
             if placed and tasks:  # the delivered rows are the outputs: placed a batch at once
                 for b, n in place_rows(tasks, rows, tensors, self.out_refs):
                     finish(b, n)

@@ -289,6 +289,20 @@ def cores_apart(taken: list[int]) -> Iterator[list[int]]:
         os.sched_setaffinity(0, before)
 
 
+# Failures that depend on where the stage ran: an item the agent refuses as too large for its
+# own memory budget (or that its client kept back, over the agent's request size) is run on the
+# host, which may have room; what the host then refuses too fails as it does in an all-host run.
+# Counted as the DPU stage's items taken back to the host, with this reason.
+RERUN_ON_HOST = frozenset({"too_large"})
+RERUN_WHY = "the agent refused items as too large for it"
+
+
+def split_rerun(bad: list[tuple[Any, tuple[str, str]]]) -> tuple[list, list]:
+    """A delivery's failed rows as (those that fail, tasks to run on the host instead)."""
+    fail = [(t, why) for t, why in bad if why[0] not in RERUN_ON_HOST]
+    return fail, [t for t, why in bad if why[0] in RERUN_ON_HOST]
+
+
 def failed_of(meta: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
     """A delivery's failed rows, by request id: its meta's `failed` {id: [reason, detail]}
     and `failed_rows` [[reason, detail, [row, ...]], ...], the rows (indexes into

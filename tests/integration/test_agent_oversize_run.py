@@ -1,6 +1,7 @@
 """A host session against a real agent process whose max_request_bytes is small: an image
-larger than it fails alone as too_large (the client never sends it), the rest of its batch is
-served by the agent, and the session's next call still runs there (no failover)."""
+larger than it is refused as too_large for the agent (the client never sends it) and runs on the
+host instead, counted and reported; the rest of its batch is served by the agent, and the
+session's next call still runs there (the connection was never closed)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,7 @@ def agent(tmp_path):
         yield a
 
 
-def test_an_image_over_max_request_bytes_fails_as_too_large_and_the_rest_runs_on_the_agent(
-    agent,
-):
+def test_an_image_over_max_request_bytes_runs_on_the_host_and_the_rest_on_the_agent(agent):
     import simplejpeg
 
     images = [b for _, b in sample_images(6, seed=3)]
@@ -40,24 +39,47 @@ def test_an_image_over_max_request_bytes_fails_as_too_large_and_the_rest_runs_on
     huge = simplejpeg.encode_jpeg(rng.integers(0, 255, (1200, 1600, 3), dtype=np.uint8), 95)
     assert len(huge) > LIMIT
     batch = [*images[:3], huge, *images[3:]]
-    want = nicoffload.run(PIPELINE, images, plan=single_device_plan(PIPELINE, "cpu"))
+    host = single_device_plan(PIPELINE, "cpu")
+    want = nicoffload.run(PIPELINE, batch, plan=host)
+    assert want.ok.all()
     plan = plan_of(PIPELINE, SPLIT)
     with nicoffload.open(PIPELINE, plan, agent_topology(agent), token_file=agent.token_file) as s:
         client = s.front.client
         first = s.run(batch)
-        assert first.ok.tolist() == [True] * 3 + [False] + [True] * 3
-        (failure,) = first.failures
-        assert (failure.index, failure.reason) == (3, "too_large")
-        assert f"needs {-(-len(huge) // 8) * 8} bytes" in failure.detail
-        assert f"({LIMIT})" in failure.detail
-        assert first.stats.failover is None
-        ok = first.outputs["pixels"][first.ok]
-        np.testing.assert_array_equal(ok, want.outputs["pixels"])
-        assert s.front.transfer.items == 7  # all of them through the agent, the huge one failed
+        assert first.ok.all(), first.failures
+        np.testing.assert_array_equal(first.outputs["pixels"], want.outputs["pixels"])
+        assert "too large for it (1 items ran stage" in (first.stats.failover or "")
+        assert s.front.transfer.items == 7  # all of them through the agent's front
         second = s.run(images)  # the same connection, still on the agent
         assert second.ok.all() and second.stats.failover is None
-        np.testing.assert_array_equal(second.outputs["pixels"], want.outputs["pixels"])
+        np.testing.assert_array_equal(
+            second.outputs["pixels"], np.delete(want.outputs["pixels"], 3, 0)
+        )
         assert s.front.client is client and client.alive
         assert s.front.transfer.items == 6
         assert client.stats()["errors"] == {}  # no frame error, nothing closed
     assert agent.alive()
+
+
+def test_a_tensor_over_max_request_bytes_runs_on_the_host_on_the_general_path(agent):
+    """Host -> DPU -> host (the general path): the host's decoded 1200x1600 image is over the
+    agent's request size, so that row's DPU stage runs on the host; the others on the agent."""
+    import simplejpeg
+
+    rng = np.random.default_rng(1)
+    images = [  # decoded, each well under the agent's request size
+        simplejpeg.encode_jpeg(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8), 90)
+        for _ in range(4)
+    ]
+    huge = simplejpeg.encode_jpeg(rng.integers(0, 255, (1200, 1600, 3), dtype=np.uint8), 90)
+    batch = [images[0], huge, *images[1:]]
+    want = nicoffload.run(PIPELINE, batch, plan=single_device_plan(PIPELINE, "cpu"))
+    place = {"decode": "cpu", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"}
+    plan = plan_of(PIPELINE, place)
+    with nicoffload.open(PIPELINE, plan, agent_topology(agent), token_file=agent.token_file) as s:
+        got = s.run(batch)
+        assert got.ok.all(), got.failures
+        np.testing.assert_array_equal(got.outputs["pixels"], want.outputs["pixels"])
+        assert "too large for it (1 items ran stage" in (got.stats.failover or "")
+        again = s.run(images)
+        assert again.ok.all() and again.stats.failover is None
