@@ -165,11 +165,31 @@ def decode_costs(built: Built) -> Callable[[Mapping[str, Any]], int]:
         channels = 3 if node.params["color"] == "rgb" else 1
         decoders.append(_Decoder(src, node.params, consumers, channels, resizes))
 
+    memo: dict[tuple[int, Any], int] = {}  # per decoder and header: what it holds
+
+    def held(i: int, d: _Decoder, data: Any) -> int:
+        head = image_header(data)
+        if head is None:
+            return 0
+        got = memo.get((i, head))
+        if got is None:  # a dataset has few image sizes: decoded_size is Python, per size once
+            if len(memo) >= MEMO_SIZES:
+                memo.clear()
+            got = memo[i, head] = _one(d, head)
+        return got
+
     def cost(values: Mapping[str, Any]) -> int:
-        held = sum(_one(d, values[d.input]) for d in decoders)
-        return held + sum(_resized(values[k], p, itemsize) for k, p, itemsize in images)
+        total = 0
+        for i, d in enumerate(decoders):
+            total += held(i, d, values[d.input])
+        for k, p, itemsize in images:
+            total += _resized(values[k], p, itemsize)
+        return total
 
     return cost
+
+
+MEMO_SIZES = 4096  # image headers remembered per stage (a few hundred kB)
 
 
 def _resized(image: Any, params: Any, itemsize: int) -> int:
@@ -180,10 +200,7 @@ def _resized(image: Any, params: Any, itemsize: int) -> int:
     return math.prod(output_size(params, h, w)) * c * itemsize
 
 
-def _one(d: _Decoder, data: Any) -> int:
-    head = image_header(data)
-    if head is None:
-        return 0
+def _one(d: _Decoder, head: tuple[str, int, int, str]) -> int:
     fmt, h, w, space = head
     if h * w > d.params["max_pixels"]:
         return 0

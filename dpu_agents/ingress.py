@@ -124,6 +124,10 @@ class Ingress:
         """The frame's items not seen before, each with its values or why it is refused (an
         item's fault, not the frame's: the others go on)."""
         every = None if reject[0] else split_request(meta, sizes, payload)
+        most = self.account.most(budget.DECODE)
+        cost = session.decode_cost
+        inputs = session.built.inputs
+        draining = self.agent.draining
         items = []
         for i, new in enumerate(fresh):
             if not new:
@@ -133,14 +137,15 @@ class Ingress:
             if every is not None:
                 values = every[i]
                 try:
-                    check_values(session.built.inputs, values)
-                    decode = session.decode_cost(values)
-                    why = _over(self.account, budget.DECODE, decode)
+                    check_values(inputs, values)
+                    decode = cost(values)
+                    if decode > most:  # no wait could fit it: _over says why
+                        why = _over(self.account, budget.DECODE, decode)
                 except ValueError as exc:
                     why = ("bad_request", str(exc))
                 if why[0]:
                     values, decode = None, 0
-                elif self.agent.draining:
+                elif draining:
                     values, why, decode = None, ("agent_draining", "the agent is shutting down"), 0
             items.append(Item(first + i, values, why, (0, decode)))
         return items

@@ -58,6 +58,19 @@ class SeenIds:
         self._bits[byte] |= 1 << bit
         return True
 
+    def add_range(self, first: int, n: int) -> list[bool]:
+        """`add` of first .. first+n-1: at once when they are all newer than any seen (a
+        client's next frame), else one by one."""
+        if first <= self.high or n > self.span:
+            return [self.add(rid) for rid in range(first, first + n)]
+        last = first + n - 1
+        self._clear(self.high + 1, last)
+        self.high = last
+        start = first % self.span
+        self._fill_bits(start, min(start + n, self.span), True)
+        self._fill_bits(0, start + n - self.span, True)
+        return [True] * n
+
     def _clear(self, lo: int, hi: int) -> None:
         """Forget the bits of ids lo..hi (their places held ids that fell out of the window)."""
         n = hi - lo + 1
@@ -69,14 +82,19 @@ class SeenIds:
         self._clear_bits(0, start + n - self.span)
 
     def _clear_bits(self, a: int, b: int) -> None:
+        self._fill_bits(a, b, False)
+
+    def _fill_bits(self, a: int, b: int, on: bool) -> None:
+        """Bits a .. b-1 set (`on`) or cleared."""
+        bits = self._bits
         while a < b and a & 7:
-            self._bits[a >> 3] &= ~(1 << (a & 7)) & 0xFF
+            bits[a >> 3] = bits[a >> 3] | (1 << (a & 7)) if on else bits[a >> 3] & ~(1 << (a & 7))
             a += 1
         while a < b and b & 7:
             b -= 1
-            self._bits[b >> 3] &= ~(1 << (b & 7)) & 0xFF
+            bits[b >> 3] = bits[b >> 3] | (1 << (b & 7)) if on else bits[b >> 3] & ~(1 << (b & 7))
         if a < b:
-            self._bits[a >> 3 : b >> 3] = bytes((b - a) >> 3)
+            bits[a >> 3 : b >> 3] = (b"\xff" if on else b"\x00") * ((b - a) >> 3)
 
 
 FAILED_DETAILS = 6_000  # bytes of per-id reasons and details in one batch's meta
@@ -168,13 +186,25 @@ class _Batch:
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def finish_row(self, row: int = -1, reason: str = "", detail: str = "") -> None:
+    def finish_rows(self, n: int = 1, failed: dict[int, tuple[str, str]] | None = None) -> None:
+        """`n` rows are done (`failed` those of them that failed, by row): one lock a run."""
         with self.lock:
-            if reason:
-                self.failed[row] = (reason, detail)
-            self.pending -= 1
+            if failed:
+                self.failed.update(failed)
+            self.pending -= n
             if self.pending == 0:
                 self.done.set()
+
+
+class _Rows:
+    """A batch's rows to run, taken one at a time by as many pool tasks as there are workers
+    (`next` on the shared iterator is atomic under the GIL): a hand-off per worker and batch,
+    not per item, and the rows still spread over every worker as they free up."""
+
+    __slots__ = ("batch", "left")
+
+    def __init__(self, batch: _Batch, rows: list[tuple[int, dict[str, Any]]]) -> None:
+        self.batch, self.left = batch, iter(rows)
 
 
 class Session:
@@ -238,7 +268,7 @@ class Session:
         with self._cond:
             if self._closed:
                 return [False] * n
-            return [self._seen.add(rid) for rid in range(first, first + n)]
+            return self._seen.add_range(first, n)
 
     def admit(self, items: list[Item], last: bool = True) -> bool:
         """Queue a piece of one REQUEST frame (items with values None fail with their
@@ -317,48 +347,73 @@ class Session:
             batch.cost = (sum(it.cost[0] for it in items), sum(it.cost[1] for it in items))
             batch.pending += len(items)
             self._formed.put(batch)
-            for row, it in enumerate(items):
-                if self.broken is not None:
-                    batch.finish_row(row, "agent_failed", str(self.broken))
-                elif it.values is None:
-                    batch.finish_row(row, *it.reject)
-                else:
-                    self.pool.submit(
-                        lambda batch=batch, row=row, v=it.values: self._run(batch, row, v)
-                    )
+            failed: dict[int, tuple[str, str]] = {}
+            rows: list[tuple[int, dict[str, Any]]] = []
+            if self.broken is not None:
+                failed = dict.fromkeys(range(len(items)), ("agent_failed", str(self.broken)))
+            else:
+                for row, it in enumerate(items):
+                    if it.values is None:
+                        failed[row] = it.reject
+                    else:
+                        rows.append((row, it.values))
+            if failed:
+                batch.finish_rows(len(failed), failed)
+            if rows:
+                job = _Rows(batch, rows)
+                for _ in range(min(len(rows), self.pool.n)):
+                    self.pool.submit(lambda job=job: self._run(job))
             self.metrics.depth("workers", self.pool.depth())
-            batch.finish_row()
+            batch.finish_rows()
         self._formed.put(_END)
 
-    def _run(self, batch: _Batch, row: int, values: dict[str, Any]) -> None:
-        b = self.built
+    def _run(self, job: _Rows) -> None:
+        """Run rows of the job's batch until none is left; the rows' stamps, the batch's
+        count and the metrics are updated once, at the end."""
+        stage = self.built.stage
+        batch = job.batch
         slot = batch.slot
-        dests = {k: slot.arrays[k][row] for k in slot.arrays}
-        n = len(b.stage.steps)
+        arrays = list(slot.arrays.items())
+        ragged = list(slot.ragged.items())
+        n = len(stage.steps)
         ns, cnt = [0] * n, [0] * n
-        reason = detail = ""
-        t0 = time.perf_counter()
-        try:
-            written = b.stage.process(values, dests, ns, cnt)
-            for k, a in slot.arrays.items():
-                if k in values:  # else unstamped: the row is sent as failed (`_send`)
-                    if k not in written:
-                        a[row] = values[k]
-                    slot.stamps.wrote(k, row, row)
-            for k in slot.ragged:
-                slot.ragged[k][row] = np.array(values[k], copy=True)
-                slot.stamps.wrote(k, row, row)
-        except ItemError as exc:
-            reason, detail = exc.reason, exc.detail
-        except Exception as exc:  # a kernel bug fails the item, never the agent
-            reason, detail = "internal", f"{type(exc).__name__}: {exc}"
-            log_event(log, logging.ERROR, "item_failed", stage=self.name, error=detail)
-        finally:
-            values.clear()  # its inputs and decoded images go now, not when the batcher moves on
-        self.metrics.item(self.name, time.perf_counter() - t0, not reason)
-        if reason:
+        failed: dict[int, tuple[str, str]] = {}
+        stamped: dict[str, list[int]] = {k: [] for k in slot.stamps.rows}
+        seconds: list[float] = []
+        clock = time.perf_counter
+        done = 0
+        for row, values in job.left:
+            t0 = clock()
+            try:
+                written = stage.process(values, {k: a[row] for k, a in arrays}, ns, cnt)
+                for k, a in arrays:
+                    if k in values:  # else unstamped: the row is sent as failed (`_send`)
+                        if k not in written:
+                            a[row] = values[k]
+                        stamped[k].append(row)
+                for k, out in ragged:
+                    out[row] = np.array(values[k], copy=True)
+                    stamped[k].append(row)
+            except ItemError as exc:
+                failed[row] = (exc.reason, exc.detail)
+            except Exception as exc:  # a kernel bug fails the item, never the agent
+                detail = f"{type(exc).__name__}: {exc}"
+                failed[row] = ("internal", detail)
+                log_event(log, logging.ERROR, "item_failed", stage=self.name, error=detail)
+            finally:
+                values.clear()  # its inputs and decoded images go now, not with the batch
+            seconds.append(clock() - t0)
+            done += 1
+        stamps = slot.stamps.rows
+        for k, got in stamped.items():
+            if got:
+                at = np.asarray(got)
+                stamps[k][at] = at + 1  # Stamps.wrote(k, row, row), for every row at once
+        if seconds:
+            self.metrics.items(self.name, seconds, len(failed))
+        for reason, _ in failed.values():
             self.metrics.error(reason)
-        batch.finish_row(row, reason, detail)
+        batch.finish_rows(done, failed)
 
     def _forwarder(self) -> None:
         while (batch := self._formed.get()) is not _END:
