@@ -171,7 +171,10 @@ def typical_note(typical: Mapping[str, Mapping[str, int]]) -> str:
 
 def check_plan_devices(prep: Prepared, plan_file: str) -> None:
     """A plan that places a stage on a device the topology lacks is the user's mistake: the
-    plan was made for another topology."""
+    plan was made for another topology. Its physical decisions are checked here too."""
+    from nicoffload.planner import physical
+
+    physical.check(prep.plan, plan_file)
     topo = prep.topology
     for st in prep.plan.stages:
         if topo is not None and st.device in topo.ids:

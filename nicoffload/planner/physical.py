@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from nicoffload.errors import DeviceError
+from nicoffload.errors import DeviceError, Mark, PlanError
 from nicoffload.graph import Pipeline, Ref, TensorSpec
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.topology import Topology
@@ -90,10 +90,47 @@ def stage_physical(
     }
 
 
+MAX_SLOTS = 64
+_FIELDS = ("scheme", "slots", "slot_bytes", "batch_max_size", "batch_max_wait_ms")
+
+
+def check(plan: Plan, source: str = "<plan>") -> None:
+    """PlanError for a plan whose physical decisions the runtime cannot take as they are: an
+    entry for a stage that is not a DPU stage of the plan, an unknown or missing field, a
+    scheme that is not a transport's, counts and sizes out of range (a plan file edited by
+    hand, or not one of ours)."""
+    dpu = {s.name: s for s in plan.stages if s.kind == "dpu"}
+    for name, entry in plan.physical.items():
+        where = f"physical['{name}']"
+        if name not in dpu:
+            raise PlanError(f"{where}: the plan has no DPU stage '{name}'", Mark(source, 1, 1))
+        if not isinstance(entry, dict) or set(entry) != set(_FIELDS):
+            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise PlanError(f"{where}: fields {list(_FIELDS)}, got {got}", Mark(source, 1, 1))
+        sch, slots, size = entry["scheme"], entry["slots"], entry["slot_bytes"]
+        batch, wait = entry["batch_max_size"], entry["batch_max_wait_ms"]
+        problem = (
+            f"scheme {sch!r} is none of {', '.join(SCHEMES)}"
+            if sch not in SCHEMES
+            else f"slots {slots!r} must be an integer 1-{MAX_SLOTS}"
+            if type(slots) is not int or not 1 <= slots <= MAX_SLOTS
+            else f"slot_bytes {size!r} must be an integer 1-{MAX_PAYLOAD}"
+            if type(size) is not int or not 1 <= size <= MAX_PAYLOAD
+            else f"batch_max_size {batch!r} must be a positive integer"
+            if type(batch) is not int or batch < 1
+            else f"batch_max_wait_ms {wait!r} must be a number >= 0"
+            if type(wait) not in (int, float) or not 0 <= wait < float("inf")
+            else None
+        )
+        if problem:
+            raise PlanError(f"{where}: {problem}", Mark(source, 1, 1))
+
+
 def complete(pipeline: Pipeline, plan: Plan, topology: Topology | None) -> Plan:
     """The plan with the physical decisions of each DPU stage it lacks (a plan file written
     before they were part of it, a hand-made plan); DeviceError for a stage whose batch cannot
-    fit one slot."""
+    fit one slot, PlanError for decisions the runtime cannot take (`check`)."""
+    check(plan)
     physical = dict(plan.physical)
     for stage in plan.stages:
         if stage.kind == "dpu" and stage.name not in physical:
