@@ -375,8 +375,6 @@ class Session:
         slot = batch.slot
         arrays = list(slot.arrays.items())
         ragged = list(slot.ragged.items())
-        n = len(stage.steps)
-        ns, cnt = [0] * n, [0] * n
         failed: dict[int, tuple[str, str]] = {}
         stamped: dict[str, list[int]] = {k: [] for k in slot.stamps.rows}
         seconds: list[float] = []
@@ -385,7 +383,7 @@ class Session:
         for row, values in job.left:
             t0 = clock()
             try:
-                written = stage.process(values, {k: a[row] for k, a in arrays}, ns, cnt)
+                written = stage.process(values, {k: a[row] for k, a in arrays})
                 for k, a in arrays:
                     if k in values:  # else unstamped: the row is sent as failed (`_send`)
                         if k not in written:
@@ -404,16 +402,18 @@ class Session:
                 values.clear()  # its inputs and decoded images go now, not with the batch
             seconds.append(clock() - t0)
             done += 1
-        stamps = slot.stamps.rows
-        for k, got in stamped.items():
-            if got:
-                at = np.asarray(got)
-                stamps[k][at] = at + 1  # Stamps.wrote(k, row, row), for every row at once
-        if seconds:
-            self.metrics.items(self.name, seconds, len(failed))
-        for reason, _ in failed.values():
-            self.metrics.error(reason)
-        batch.finish_rows(done, failed)
+        try:
+            stamps = slot.stamps.rows
+            for k, got in stamped.items():
+                if got:
+                    at = np.asarray(got)
+                    stamps[k][at] = at + 1  # Stamps.wrote(k, row, row), for every row at once
+            if seconds:
+                self.metrics.items(self.name, seconds, len(failed))
+            for reason, _ in failed.values():
+                self.metrics.error(reason)
+        finally:  # whatever happened, the rows are done: the forwarder must not wait for ever
+            batch.finish_rows(done, failed)
 
     def _forwarder(self) -> None:
         while (batch := self._formed.get()) is not _END:
