@@ -174,7 +174,7 @@ def _signature(values: Mapping[str, Any]) -> Signature:
 
 def _data(value: Any) -> bytes | memoryview:
     if isinstance(value, str):
-        return value.encode()
+        return value.encode("utf-8", "surrogatepass")  # a lone surrogate fails its item
     if isinstance(value, np.ndarray):  # raw bytes in C order, copied only when not already
         a = value if value.flags.c_contiguous else np.ascontiguousarray(value)
         return memoryview(a.reshape(-1).view(np.uint8))
@@ -184,7 +184,7 @@ def _data(value: Any) -> bytes | memoryview:
 def _nbytes(value: Any) -> int:
     """len(_data(value)), without copying an array that is not contiguous."""
     if isinstance(value, str):
-        return len(value.encode())
+        return len(value.encode("utf-8", "surrogatepass"))
     if isinstance(value, np.ndarray):
         return value.nbytes
     return len(value) if isinstance(value, bytes) else memoryview(value).nbytes
@@ -337,14 +337,15 @@ def _check_shapes(meta: RequestMeta, sizes: np.ndarray) -> None:
 
 def split_request(meta: RequestMeta, sizes: np.ndarray, payload: memoryview) -> list[dict]:
     """The values of each item of a checked REQUEST (`request_sizes`): for bytes, read-only
-    views of `payload`; str for text (invalid utf-8 replaced); ndarrays of the declared dtype
+    views of `payload`; str for text (`_text`); ndarrays of the declared dtype
     and shape for tensors, views of `payload` (no copy; a copy where it is not aligned)."""
     k, n = len(meta.names), len(sizes)
     lengths = sizes.ravel()
     ends = np.cumsum(_padded(lengths))
     starts = (ends - _padded(lengths)).tolist()
     lengths = lengths.tolist()
-    shapes = np.frombuffer(meta.shapes, "<u4").reshape(n, -1).tolist() if meta.shapes else []
+    # no dims at all when every tensor is a scalar (ndim 0): an empty shape per item
+    shapes = np.frombuffer(meta.shapes, "<u4").reshape(n, -1).tolist() if meta.shapes else [[]] * n
     kinds = list(zip(meta.names, meta.kinds, meta.dtypes, meta.ndims, strict=True))
     dtypes = [DType(code).numpy if kind == TENSOR else None for _, kind, code, _ in kinds]
     out = []
@@ -360,8 +361,18 @@ def split_request(meta: RequestMeta, sizes: np.ndarray, payload: memoryview) -> 
                 values[name] = a if a.flags.aligned else a.copy()
                 col += ndim
             elif kind == TEXT:
-                values[name] = str(payload[start : start + size], "utf-8", "replace")
+                values[name] = _text(payload[start : start + size])
             else:
                 values[name] = payload[start : start + size].toreadonly()
         out.append(values)
     return out
+
+
+def _text(data: memoryview) -> str:
+    """A text value as the client's str was: a lone surrogate the client sent (surrogatepass)
+    comes back as itself, so the stage fails that item as the host does (`bad_text`); bytes that
+    are no UTF-8 at all (not from our client) have U+FFFD in their place."""
+    try:
+        return str(data, "utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return str(data, "utf-8", "replace")

@@ -178,6 +178,13 @@ def tokenize_cpu(nodes, consumers):
                 text = bytes(text).decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ItemError("bad_text", f"not UTF-8: {exc}") from None
+        elif isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                raise ItemError(
+                    "bad_text", f"not valid Unicode: {exc.reason} at {exc.start}"
+                ) from None
         try:
             enc = tok.encode(text, add_special_tokens=special)
         except TypeError:

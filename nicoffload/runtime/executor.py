@@ -314,6 +314,12 @@ class Executor:
             finish(b)
 
         def feeder() -> None:
+            try:
+                feed()
+            except BaseException as exc:  # the call fails with it: never a feeder gone silent
+                fail(exc)
+
+        def feed() -> None:
             index = batch_no = 0
             current: _Open | None = None
             while not stop.is_set():

@@ -75,6 +75,19 @@ def test_tensors_arrive_with_their_dtype_and_shape_as_views_of_the_payload() -> 
             assert a.flags.writeable  # numba compiles again, for seconds, for a read-only one
 
 
+def test_items_whose_only_tensors_are_scalars_arrive() -> None:
+    """No dims at all in the frame (every tensor 0-dim): each item still has its scalar."""
+    got = round_trip([{"scalar": np.array(i + 0.5)} for i in range(3)])
+    assert [float(v["scalar"]) for v in got] == [0.5, 1.5, 2.5]
+    assert all(v["scalar"].shape == () for v in got)
+
+
+def test_a_text_with_a_lone_surrogate_arrives_as_itself() -> None:
+    """So the stage fails that item as the host does (bad_text), not a text with U+FFFD."""
+    (got,) = round_trip([{"caption": "abc\udcffdef"}])
+    assert got["caption"] == "abc\udcffdef"
+
+
 def test_every_value_starts_at_an_aligned_offset() -> None:
     ((_, head, _),) = request_frames(1, ITEMS[:1], 1 << 20)
     header, meta = parsed(head)
