@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,3 +81,16 @@ def put_unless(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
         except queue.Full:
             continue
     return False
+
+
+def drain(q: queue.Queue[Any], stop: threading.Event, end: object) -> Iterator[Any]:
+    """What `q` yields up to the `end` sentinel, unless `stop` is set first: a reader of a run
+    that has ended never stays blocked on an empty queue."""
+    while not stop.is_set():
+        try:
+            item = q.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if item is end:
+            return
+        yield item

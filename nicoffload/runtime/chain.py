@@ -25,6 +25,7 @@ from nicoffload.errors import DeviceError, SystemFailure
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, Stamps, settle
+from nicoffload.runtime.buffers import drain as drain_until
 from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.dpu_part import DpuPart
 from nicoffload.runtime.executor import Executor
@@ -174,14 +175,7 @@ class Chain:
         links = [queue.Queue(maxsize=DEPTH) for _ in range(len(self.parts) + 1)]
 
         def drain(q: queue.Queue) -> Iterator[Any]:
-            while not stop.is_set():
-                try:
-                    w = q.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if w is _END:
-                    return
-                yield w
+            return drain_until(q, stop, _END)
 
         def feed() -> None:
             try:

@@ -25,6 +25,7 @@ import numpy as np
 from nicoffload.errors import ItemError
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import StagePlan
+from nicoffload.runtime.buffers import drain as drain_until
 from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.stage import bind_steps
 
@@ -372,14 +373,7 @@ class GpuStage:
                 stop.set()
 
         def drain(q: queue.Queue[Any]) -> Iterator[Any]:
-            while not stop.is_set():
-                try:
-                    item = q.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if item is _END:
-                    return
-                yield item
+            return drain_until(q, stop, _END)
 
         def produce() -> Iterator[Any]:
             for i, b in enumerate(batches):
