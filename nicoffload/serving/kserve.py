@@ -1,0 +1,402 @@
+"""The Open Inference Protocol (KServe v2, HTTP/REST) with Triton's binary-tensor extension:
+infer requests parsed and checked against a pipeline's inputs, responses, metadata, error bodies.
+
+Pure functions of bytes and values: no sockets, no clock. A request that is wrong raises
+`RequestError` carrying the HTTP status and the reason the client gets in `{"error": ...}`.
+Binary data: the JSON header is the first `Inference-Header-Content-Length` bytes of the body,
+then each tensor with `parameters.binary_data_size` in the order the tensors are listed; a BYTES
+tensor is its elements back to back, each a 4-byte little-endian length and the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nicoffload.graph import Pipeline, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_TYPES = ("application/json",)
+BINARY_TYPES = ("application/octet-stream", "application/vnd.triton.binary+json")
+
+# KServe v2 datatypes and their numpy dtypes (little-endian on the wire); BYTES: an object array
+DATATYPES: dict[str, np.dtype | None] = {
+    "BOOL": np.dtype("bool"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "BYTES": None,
+}
+_BY_KIND = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items() if dt is not None}
+
+
+class RequestError(Exception):
+    """A request the server refuses: `status` (4xx) and the reason, sent as `{"error": ...}`."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One input tensor of a request: its elements (a numpy array; BYTES: a list of bytes)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: Any
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    id: str | None
+    inputs: dict[str, Tensor]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, bool] | None = None  # requested output -> binary; None: every output
+    binary_output: bool = False  # the request-level `binary_data_output`
+
+    @property
+    def timeout_us(self) -> int | None:
+        """Triton's `timeout` request parameter (microseconds), or None."""
+        t = self.parameters.get("timeout")
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise RequestError(
+                f"parameter 'timeout' must be a whole number of microseconds >= 0, got {t!r}"
+            )
+        return t or None  # 0: no timeout, as in Triton
+
+
+def datatype_of(dtype: np.dtype | str) -> str:
+    """The KServe datatype of a numpy dtype ("BYTES" for bytes, str and object)."""
+    dt = np.dtype(dtype) if dtype not in ("bytes", "str") else np.dtype(object)
+    if dt.kind in "OSU":
+        return "BYTES"
+    name = _BY_KIND.get((dt.kind, dt.itemsize))
+    if name is None:
+        raise ValueError(f"no KServe datatype for numpy dtype {dt}")
+    return name
+
+
+def pack_bytes(elements: list[bytes]) -> bytes:
+    """Elements of a BYTES tensor in the binary format: 4-byte LE length + bytes, each."""
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def unpack_bytes(buf: bytes | memoryview, count: int, name: str) -> list[bytes]:
+    """`count` BYTES elements out of `buf` (all of it, exactly)."""
+    view, at, out = memoryview(buf), 0, []
+    for i in range(count):
+        if at + 4 > len(view):
+            raise RequestError(f"input '{name}': binary data truncated at element {i} (no length)")
+        (n,) = struct.unpack_from("<I", view, at)
+        at += 4
+        if at + n > len(view):
+            raise RequestError(
+                f"input '{name}': binary data truncated at element {i} "
+                f"(length {n}, {len(view) - at} bytes left)"
+            )
+        out.append(bytes(view[at : at + n]))
+        at += n
+    if at != len(view):
+        raise RequestError(
+            f"input '{name}': {len(view) - at} bytes after its {count} elements (shape and "
+            "binary_data_size disagree)"
+        )
+    return out
+
+
+def _shape(raw: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
+    ):
+        raise RequestError(
+            f"input '{name}': 'shape' must be a list of whole numbers >= 0, got {raw!r}"
+        )
+    return tuple(raw)
+
+
+def _flat(data: Any) -> list[Any]:
+    """JSON `data`, flat or nested row-major as the protocol allows, as one flat list."""
+    if not isinstance(data, list):
+        return [data]
+    out: list[Any] = []
+    for d in data:
+        out.extend(_flat(d))
+    return out
+
+
+def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
+    """One input tensor from its JSON object (and its binary data at `at`); the new offset."""
+    if not isinstance(raw, dict):
+        raise RequestError("each entry of 'inputs' must be an object")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise RequestError("an input lacks its 'name' (a string)")
+    datatype = raw.get("datatype")
+    if datatype not in DATATYPES:
+        raise RequestError(
+            f"input '{name}': unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})"
+        )
+    shape = _shape(raw.get("shape"), name)
+    count = math.prod(shape)
+    params = raw.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise RequestError(f"input '{name}': 'parameters' must be an object")
+    size = params.get("binary_data_size")
+    dtype = DATATYPES[datatype]
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise RequestError(f"input '{name}': binary_data_size must be a whole number >= 0")
+        if "data" in raw:
+            raise RequestError(f"input '{name}': both 'data' and binary_data_size")
+        if binary is None or at + size > len(binary):
+            left = 0 if binary is None else len(binary) - at
+            raise RequestError(
+                f"input '{name}': body truncated: binary_data_size {size}, {left} bytes left"
+            )
+        chunk = binary[at : at + size]
+        if dtype is None:
+            data: Any = unpack_bytes(chunk, count, name)
+        else:
+            if size != count * dtype.itemsize:
+                raise RequestError(
+                    f"input '{name}': binary_data_size {size} is not shape {list(shape)} of "
+                    f"{datatype} ({count * dtype.itemsize} bytes)"
+                )
+            data = np.frombuffer(chunk, dtype).reshape(shape)
+        return Tensor(name, datatype, shape, data), at + size
+    if "data" not in raw:
+        raise RequestError(f"input '{name}': no 'data' and no binary_data_size")
+    flat = _flat(raw["data"])
+    if len(flat) != count:
+        raise RequestError(
+            f"input '{name}': {len(flat)} elements in 'data' for shape {list(shape)} ({count})"
+        )
+    if dtype is None:
+        if not all(isinstance(e, str) for e in flat):
+            raise RequestError(f"input '{name}': BYTES elements in JSON 'data' must be strings")
+        return Tensor(name, datatype, shape, [e.encode("utf-8", "surrogatepass") for e in flat]), at
+    try:
+        arr = np.asarray(flat, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RequestError(f"input '{name}': 'data' is not {datatype}: {exc}") from None
+    return Tensor(name, datatype, shape, arr.reshape(shape)), at
+
+
+def _requested(raw: Any) -> dict[str, bool] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise RequestError("'outputs' must be a list")
+    out: dict[str, bool] = {}
+    for o in raw:
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise RequestError("each entry of 'outputs' must be an object with a 'name'")
+        params = o.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise RequestError(f"output '{o['name']}': 'parameters' must be an object")
+        out[o["name"]] = bool(params.get("binary_data", False))
+    return out
+
+
+def parse_infer(body: bytes, content_type: str, header_length: str | None) -> InferRequest:
+    """An infer request from its body, its Content-Type and its Inference-Header-Content-Length
+    (None: the body is JSON alone)."""
+    ctype = content_type.split(";")[0].strip().lower()
+    if header_length is None:
+        if ctype not in JSON_TYPES:
+            raise RequestError(
+                f"Content-Type '{ctype or '(none)'}': a JSON request is application/json (or "
+                f"give {HEADER_LENGTH} for JSON + binary data)",
+                415,
+            )
+        head, binary = body, None
+    else:
+        if ctype not in (*JSON_TYPES, *BINARY_TYPES):
+            raise RequestError(
+                f"Content-Type '{ctype or '(none)'}': one of {', '.join(JSON_TYPES + BINARY_TYPES)}",
+                415,
+            )
+        try:
+            n = int(header_length)
+        except ValueError:
+            n = -1
+        if n < 0 or n > len(body):
+            raise RequestError(
+                f"{HEADER_LENGTH} {header_length!r}: a whole number of bytes, at most the "
+                f"body's {len(body)}"
+            )
+        head, binary = body[:n], memoryview(body)[n:]
+    try:
+        doc = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise RequestError("the request must be a JSON object")
+    rid = doc.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("'id' must be a string")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise RequestError("'parameters' must be an object")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise RequestError("'inputs' must be a non-empty list")
+    inputs: dict[str, Tensor] = {}
+    at = 0
+    for raw in raw_inputs:
+        t, at = _tensor(raw, binary, at)
+        if t.name in inputs:
+            raise RequestError(f"input '{t.name}' given twice")
+        inputs[t.name] = t
+    if binary is not None and at != len(binary):
+        raise RequestError(f"{len(binary) - at} bytes of binary data that no input claims")
+    return InferRequest(
+        rid, inputs, params, _requested(doc.get("outputs")), bool(params.get("binary_data_output"))
+    )
+
+
+def items_of(req: InferRequest, pipeline: Pipeline) -> list[dict[str, bytes | str]]:
+    """The request's items for the pipeline: element i of every input is item i. Each input
+    of the pipeline must be given, as BYTES of shape [N], N the same for all."""
+    wanted = pipeline.inputs
+    unknown = sorted(set(req.inputs) - set(wanted))
+    if unknown:
+        raise RequestError(
+            f"unknown input '{unknown[0]}' (the model's inputs: {', '.join(wanted)})"
+        )
+    missing = [k for k in wanted if k not in req.inputs]
+    if missing:
+        raise RequestError(
+            f"missing input '{missing[0]}' (the model's inputs: {', '.join(wanted)})"
+        )
+    counts = {}
+    for name in wanted:
+        t = req.inputs[name]
+        if t.datatype != "BYTES":
+            raise RequestError(f"input '{name}': datatype {t.datatype}, expected BYTES")
+        if len(t.shape) != 1:
+            raise RequestError(
+                f"input '{name}': shape {list(t.shape)}, expected [N] (one element per item)"
+            )
+        counts[name] = t.shape[0]
+    if len(set(counts.values())) != 1:
+        raise RequestError(f"inputs of different lengths: {counts}")
+    n = next(iter(counts.values()))
+    if n == 0:
+        raise RequestError("no items: the inputs' shape is [0]")
+    items: list[dict[str, bytes | str]] = [{} for _ in range(n)]
+    for name, spec in wanted.items():
+        for i, e in enumerate(req.inputs[name].data):
+            items[i][name] = _text(e, name, i) if spec.dtype == "str" else e
+    return items
+
+
+def _text(e: bytes, name: str, i: int) -> str:
+    try:
+        return e.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"input '{name}': element {i} is not UTF-8 text: {exc}") from None
+
+
+def check_outputs(req: InferRequest, available: list[str]) -> None:
+    """A request that asks for an output the model lacks is refused before it runs."""
+    for name in req.outputs or {}:
+        if name not in available:
+            raise RequestError(
+                f"unknown output '{name}' (the model's outputs: {', '.join(available)})"
+            )
+
+
+def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    datatype = datatype_of(arr.dtype)
+    out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+    if datatype == "BYTES":
+        elems = [e if isinstance(e, bytes) else str(e).encode() for e in arr.reshape(-1).tolist()]
+        if binary:
+            raw = pack_bytes(elems)
+            out["parameters"] = {"binary_data_size": len(raw)}
+            return out, raw
+        out["data"] = [e.decode("utf-8", "replace") for e in elems]
+        return out, None
+    if binary:
+        raw = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
+        out["parameters"] = {"binary_data_size": len(raw)}
+        return out, raw
+    out["data"] = arr.reshape(-1).tolist()
+    return out, None
+
+
+def infer_response(
+    model: str,
+    req: InferRequest,
+    outputs: Mapping[str, np.ndarray],
+    parameters: Mapping[str, Any] | None = None,
+) -> tuple[bytes, dict[str, str]]:
+    """The response body and its headers: the requested outputs (all, when none were named),
+    each binary when the request asks (`binary_data_output`, or the output's `binary_data`)."""
+    names = list(outputs) if req.outputs is None else list(req.outputs)
+    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    if req.id is not None:
+        doc["id"] = req.id
+    if parameters:
+        doc["parameters"] = dict(parameters)
+    blobs: list[bytes] = []
+    for name in names:
+        binary = (
+            req.binary_output if req.outputs is None else req.outputs[name] or req.binary_output
+        )
+        entry, raw = _tensor_json(name, np.asarray(outputs[name]), binary)
+        doc["outputs"].append(entry)
+        if raw is not None:
+            blobs.append(raw)
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"Content-Type": "application/json"}
+    return b"".join([head, *blobs]), {
+        "Content-Type": "application/octet-stream",
+        HEADER_LENGTH: str(len(head)),
+    }
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def tensor_metadata(name: str, spec: TensorSpec) -> dict[str, Any]:
+    """A pipeline tensor as the protocol's metadata: a leading -1 for the items."""
+    shape = [-1] if not spec.static else [-1, *spec.shape]
+    return {"name": name, "datatype": datatype_of(spec.dtype), "shape": shape}
+
+
+def model_metadata(
+    name: str, pipeline: Pipeline, outputs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """`GET /v2/models/{name}`: the pipeline's inputs, and its outputs (or the model's)."""
+    if outputs is None:
+        outputs = [tensor_metadata(k, s) for k, s in pipeline.output_specs().items()]
+    return {
+        "name": name,
+        "versions": ["1"],
+        "platform": "nicoffload",
+        "inputs": [tensor_metadata(k, s) for k, s in pipeline.inputs.items()],
+        "outputs": outputs,
+    }
