@@ -1,0 +1,215 @@
+"""`nicoffload serve`: open a Session and serve it over the Open Inference Protocol (HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from nicoffload.cli import app, handle_errors
+from nicoffload.cli.run import check_token_file
+from nicoffload.errors import Mark, SystemFailure, UserError
+from nicoffload.graph import Pipeline, load_pipeline
+
+log = logging.getLogger("nicoffload.serve")
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"--listen '{text}': give HOST:PORT (PORT 0 picks a free one)")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def read_token(path: Path) -> str:
+    check_token_file(path)
+    token = path.read_text(encoding="utf-8", errors="strict").strip()
+    if not token:
+        raise UserError("--token-file: the file is empty", Mark(str(path), 1, 1))
+    return token
+
+
+def load_model(ref: str) -> Any:
+    """`MODULE:CALLABLE` imported (the current folder first on the path, as `python -m`)."""
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise UserError(f"--model '{ref}': give MODULE:CALLABLE (e.g. mymodels:classify)")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise UserError(f"--model '{ref}': cannot import '{module}': {exc}") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise UserError(f"--model '{ref}': '{module}' has no callable '{attr}'")
+    return fn
+
+
+def check_servable(pipeline: Pipeline) -> None:
+    """Responses are tensors of rows: every output must have one shape for all items."""
+    for name, spec in pipeline.output_specs().items():
+        if not spec.static:
+            raise UserError(
+                f"output '{name}' is {spec}, which varies per item; serve needs outputs of one "
+                "shape (end the pipeline with a node of fixed size, such as center_crop)",
+                Mark(pipeline.path, 1, 1),
+            )
+
+
+def model_outputs(model: Any, pipeline: Pipeline) -> list[dict[str, Any]]:
+    """The model's outputs as metadata, from one warm-up call on an all-zeros row."""
+    from nicoffload.serving.kserve import datatype_of
+
+    row = {k: np.zeros((1, *s.shape), s.dtype) for k, s in pipeline.output_specs().items()}
+    try:
+        got = model(row)
+        out = [
+            {
+                "name": str(k),
+                "datatype": datatype_of(np.asarray(v).dtype),
+                "shape": [-1, *np.asarray(v).shape[1:]],
+            }
+            for k, v in dict(got).items()
+        ]
+    except Exception as exc:
+        raise UserError(
+            f"--model: the warm-up call on one all-zeros row of {sorted(row)} failed: "
+            f"{type(exc).__name__}: {exc} (the model takes a dict of arrays and returns one)"
+        ) from None
+    return out
+
+
+async def _serve(
+    server: Any, batcher: Any, host: str, port: int, ready_doc: dict[str, Any]
+) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise UserError(f"--listen {host}:{port}: {exc.strerror or exc}") from None
+    bound = runner.addresses[0]
+    base = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
+    name = server.config.model_name
+    doc = {
+        "url": f"{base}/v2/models/{name}/infer",
+        "model": name,
+        "health": f"{base}/v2/health/ready",
+        **ready_doc,
+    }
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def stream_ended() -> None:  # the pipeline failed: stop serving (exit 1 below)
+        while not batcher.ended.is_set():
+            await asyncio.sleep(0.2)
+
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(stream_ended())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        log.info("SIGTERM: draining" if stop.is_set() else "the pipeline stopped: draining")
+        await server.drain()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        await runner.cleanup()
+
+
+@app.command()
+@handle_errors
+def serve(
+    pipeline: Path = typer.Argument(..., help="the pipeline YAML file"),
+    plan: Path | None = typer.Option(None, "--plan", help="a plan from `nicoffload plan --output`"),
+    topology: Path | None = typer.Option(
+        None, "--topology", help="plan for this topology (default: this machine, as `run`)"
+    ),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="MODULE:CALLABLE called on each finished batch: dict of output arrays (rows = "
+        "items) -> dict of arrays; without it the preprocessed tensors are the response",
+    ),
+    listen: str = typer.Option("127.0.0.1:8000", "--listen", help="HOST:PORT (port 0: any free)"),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="clients must send `Authorization: Bearer <its content>`"
+    ),
+    agent_token_file: Path | None = typer.Option(
+        None, "--agent-token-file", help="the shared secret of the DPU agents the topology names"
+    ),
+    max_queue: int = typer.Option(
+        256, "--max-queue", min=1, help="items accepted and not yet answered; past it: HTTP 503"
+    ),
+    max_request_mb: float = typer.Option(
+        64.0, "--max-request-mb", min=0.001, help="largest request body; past it: HTTP 413"
+    ),
+    read_timeout: float = typer.Option(
+        30.0, "--read-timeout", min=0.001, help="seconds for a request body to arrive (else 408)"
+    ),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="the model's name in URLs (default: the pipeline's name)"
+    ),
+    workers: int | None = typer.Option(None, "--workers", min=1, help="host worker threads"),
+) -> None:
+    """Serve a pipeline over the Open Inference Protocol (KServe v2 REST with Triton's binary tensors), so Triton and KServe clients work: `POST /v2/models/NAME/infer` with one BYTES input per pipeline input, one element per item (a JPEG, a text).
+
+    When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `placement`, `predicted`); logs go to stderr.
+
+    SIGTERM drains: readiness goes false, new requests get 503, requests in flight are answered, then the process exits 0.
+
+    Deadlines: Triton's `timeout` request parameter or the `Nicoffload-Timeout-Us` header (microseconds); an item whose deadline passed before it enters the pipeline is not run (HTTP 504).
+    """
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
+    from nicoffload.runner import prepare
+    from nicoffload.serving.batcher import Batcher
+    from nicoffload.serving.server import ServeConfig, Server
+    from nicoffload.session import Session
+
+    host, port = parse_listen(listen)
+    token = read_token(token_file) if token_file is not None else None
+    check_token_file(agent_token_file)
+    pl = load_pipeline(pipeline)
+    check_servable(pl)
+    fn = load_model(model) if model else None
+    outputs = model_outputs(fn, pl) if fn is not None else None
+    prep = prepare(pl, plan, topology, agent_token_file)
+    config = ServeConfig(
+        model_name or pl.name, token, int(max_request_mb * (1 << 20)), read_timeout
+    )
+    with Session(prep, workers=workers) as session:
+        batcher = Batcher(session, fn, max_queue)
+        server = Server(pl, batcher, config, outputs)
+        batcher.start()
+        ready = {
+            "placement": dict(session.plan.placement),
+            "stages": {s.name: s.device for s in session.plan.stages},
+            "predicted": None if session.plan.predicted is None else vars(session.plan.predicted),
+            "setup_s": round(session.setup_s, 3),
+            "max_queue": max_queue,
+            "auth": "bearer" if token else "none",
+        }
+        asyncio.run(_serve(server, batcher, host, port, ready))
+        batcher.stop(timeout=30)
+        if batcher.failure is not None:
+            raise SystemFailure(
+                f"serve: the pipeline failed: {batcher.failure}"
+            ) from batcher.failure
+    log.info("drained: %d items run, %d never run (deadline)", batcher.items_run, batcher.expired)

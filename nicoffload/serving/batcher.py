@@ -1,0 +1,248 @@
+"""The one long-lived call that serves every request: requests' items go into ONE
+`Session.stream` through a blocking queue-iterator, so the runtime's own batching (its batch
+size and max wait, from the plan) is the dynamic batching; nothing batches a second time.
+
+Each item is named `<request number>/<element index>` (the number is the server's own: clients'
+ids may repeat), which is how a finished batch's rows find their requests again. The optional
+user model is called once per finished batch, on its ok rows. Everything here runs on plain
+threads; `on_done` is called on the batcher's thread (the server hops back to its loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nicoffload.runtime.batch import UNWRITTEN, Batch
+from nicoffload.serving.kserve import RequestError
+
+log = logging.getLogger("nicoffload.serve")
+Model = Callable[[dict[str, np.ndarray]], Mapping[str, Any]]
+_STOP = object()
+
+# an item's failure reason -> the HTTP status of its request: the client's data, except a
+# runtime fault (500)
+STATUS_OF_REASON = {UNWRITTEN: 500, "too_large": 413}
+
+
+class QueueFull(Exception):
+    """More items than --max-queue would be outstanding: HTTP 503, at once."""
+
+
+@dataclass
+class Outcome:
+    """What a request gets: its outputs (rows = its items, in order), or a status and reason."""
+
+    status: int
+    outputs: dict[str, np.ndarray] | None = None
+    error: str | None = None
+    timings: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    items: list[dict[str, Any]]
+    on_done: Callable[[Outcome], None]
+    arrived: float  # perf_counter when the server began to receive it
+    parsed: float  # ... when it was read, parsed and checked
+    deadline: float | None = None  # perf_counter past which its items are not run
+    seq: int = 0
+    left: int = 0  # items not yet out of the pipeline (or skipped)
+    answered: bool = False
+    handed: float = 0.0  # when its last item went to the runtime
+    out: float = 0.0  # when the batch with its last item came out
+    model_s: float = 0.0
+    batches: int = 0
+    rows: list[tuple[dict[str, np.ndarray], int] | None] = field(default_factory=list)
+    failure: tuple[int, str] | None = None  # (status, reason) of its first failed item
+
+
+class Batcher:
+    """Feeds requests into one stream of `session` and answers each with an Outcome."""
+
+    def __init__(self, session: Any, model: Model | None = None, max_queue: int = 256) -> None:
+        self.session, self.model, self.max_queue = session, model, max_queue
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Pending] = {}
+        self._seq = itertools.count(1)
+        self.outstanding = 0  # items accepted and not yet out of the pipeline
+        self.expired = 0  # items never run: their request's deadline had passed
+        self.items_run = 0  # items handed to the runtime
+        self.failure: BaseException | None = None  # what ended the stream, if not a stop
+        self._thread = threading.Thread(target=self._run, name="nicoffload-serve", daemon=True)
+        self.ended = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, p: Pending) -> None:
+        """Queue a request (QueueFull when its items would pass --max-queue; a request larger
+        than --max-queue can never fit: 413)."""
+        n = len(p.items)
+        if n > self.max_queue:
+            raise RequestError(
+                f"{n} items in one request, more than --max-queue {self.max_queue}", 413
+            )
+        with self._lock:
+            if self.failure is not None or self.ended.is_set():
+                raise RuntimeError("the serving stream has ended")
+            if self.outstanding + n > self.max_queue:
+                raise QueueFull(
+                    f"server busy: {self.outstanding} items queued or running, at most "
+                    f"{self.max_queue} (--max-queue); retry later"
+                )
+            self.outstanding += n
+            p.seq, p.left, p.rows = next(self._seq), n, [None] * n
+            self._pending[p.seq] = p
+        self._queue.put(p)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the stream once the queued requests have gone in; wait for the thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _items(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The stream's items: blocks for the next request; a request past its deadline is
+        answered 504 and its remaining items are not run."""
+        while (p := self._queue.get()) is not _STOP:
+            for i, item in enumerate(p.items):
+                now = time.perf_counter()
+                if p.deadline is not None and now > p.deadline:
+                    self._expire(p, i, now)
+                    break
+                p.handed = now
+                with self._lock:
+                    self.items_run += 1
+                yield f"{p.seq}/{i}", item
+
+    def _expire(self, p: Pending, i: int, now: float) -> None:
+        skipped = len(p.items) - i
+        late_us = round((now - p.deadline) * 1e6) if p.deadline is not None else 0
+        with self._lock:
+            self.expired += skipped
+        reason = (
+            f"deadline exceeded {late_us} us before item {i} entered the pipeline; "
+            f"{skipped} of {len(p.items)} items were not run"
+        )
+        self._answer(p, Outcome(504, error=reason, timings=self._timings(p, now)))
+        self._settle(p, skipped)
+
+    def _run(self) -> None:
+        try:
+            for batch in self.session.stream(self._items()):
+                self._deliver(batch)
+        except BaseException as exc:  # the stream failed: every waiting request is told
+            log.exception("the serving stream failed")
+            with self._lock:
+                self.failure = exc
+                waiting = list(self._pending.values())
+            for p in waiting:
+                self._answer(p, Outcome(500, error=f"the pipeline failed: {exc}"))
+        finally:
+            self.ended.set()
+
+    def _run_model(
+        self, outs: dict[str, np.ndarray], n: int
+    ) -> tuple[dict[str, np.ndarray], float]:
+        t0 = time.perf_counter()
+        got = self.model(outs) if self.model is not None else outs
+        if not isinstance(got, Mapping):
+            raise TypeError(f"the model returned {type(got).__name__}, not a dict of arrays")
+        res = {str(k): np.asarray(v) for k, v in got.items()}
+        for k, v in res.items():
+            if v.ndim == 0 or len(v) != n:
+                raise ValueError(f"the model's output '{k}' has shape {v.shape}, not {n} rows")
+        return res, time.perf_counter() - t0
+
+    def _deliver(self, batch: Batch) -> None:
+        t_out = time.perf_counter()
+        if any(hasattr(v, "is_cuda") for v in batch.outputs.values()):
+            batch = batch.numpy()
+        keep = np.flatnonzero(batch.ok)
+        # fancy indexing copies: the batch's arrays are views into a slot reused after this
+        outs = {k: np.asarray(v)[keep] for k, v in batch.outputs.items()}
+        model_s, model_error = 0.0, None
+        if self.model is not None and len(keep):
+            try:
+                outs, model_s = self._run_model(outs, len(keep))
+            except Exception as exc:  # this batch's requests fail; the server goes on
+                log.exception("the model failed on a batch of %d items", len(keep))
+                model_error = f"the model failed: {type(exc).__name__}: {exc}"
+        pos = np.cumsum(batch.ok) - 1
+        failed = {f.name: f for f in batch.failures}
+        touched: dict[int, tuple[Pending, int]] = {}
+        for row, name in enumerate(batch.names):
+            seq, i = (int(x) for x in name.split("/"))
+            with self._lock:
+                p = self._pending.get(seq)
+            if p is None:
+                continue
+            p.out = t_out
+            if seq not in touched:
+                p.batches += 1
+                p.model_s += model_s
+            touched[seq] = (p, touched.get(seq, (p, 0))[1] + 1)
+            if name in failed:
+                f = failed[name]
+                if p.failure is None:
+                    status = STATUS_OF_REASON.get(f.reason, 400)
+                    p.failure = (status, f"item {i}: {f.reason}: {f.detail}")
+            elif model_error is not None:
+                p.failure = p.failure or (500, model_error)
+            else:
+                p.rows[i] = (outs, int(pos[row]))
+        for p, n in touched.values():
+            self._settle(p, n)
+
+    def _settle(self, p: Pending, n: int) -> None:
+        """`n` of the request's items are out (or skipped); the last one answers it."""
+        with self._lock:
+            p.left -= n
+            self.outstanding -= n
+            last = p.left == 0
+            if last:
+                del self._pending[p.seq]
+        if not last or p.answered:
+            return
+        now = time.perf_counter()
+        if p.failure is not None:
+            self._answer(
+                p, Outcome(p.failure[0], error=p.failure[1], timings=self._timings(p, now))
+            )
+            return
+        rows = [r for r in p.rows if r is not None]
+        outputs = {k: np.stack([outs[k][at] for outs, at in rows]) for k in rows[0][0]}
+        self._answer(p, Outcome(200, outputs, timings=self._timings(p, now)))
+
+    def _timings(self, p: Pending, now: float) -> dict[str, int]:
+        def us(a: float, b: float) -> int:
+            return max(0, round((b - a) * 1e6))
+
+        t = {"receive_us": us(p.arrived, p.parsed)}
+        if p.handed:
+            t["queue_us"] = us(p.parsed, p.handed)
+        if p.out:
+            t["pipeline_us"] = us(p.handed, p.out)
+            t["batches"] = p.batches
+        if self.model is not None and p.out:
+            t["model_us"] = round(p.model_s * 1e6)
+        t["server_us"] = us(p.arrived, now)
+        return t
+
+    def _answer(self, p: Pending, outcome: Outcome) -> None:
+        if p.answered:
+            return
+        p.answered = True
+        try:
+            p.on_done(outcome)
+        except Exception:  # a callback that fails must not stop the stream
+            log.exception("answering request %d failed", p.seq)

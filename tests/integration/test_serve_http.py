@@ -1,0 +1,372 @@
+"""`nicoffload serve` as a real process, driven with the official Triton client (tritonclient.http):
+correct tensors, each bad request's status and reason, the token, deadlines, backpressure and the
+SIGTERM drain. The plans are host-only (no agent) so that each server starts in about a second,
+except the one test of the local topology's split plan."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import nicoffload
+from nicoffload.samples import sample_images
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
+NICOFFLOAD = str(Path(sys.executable).parent / "nicoffload")
+MODEL = "resnet50-preprocess"
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # never handed to tritonclient: it adds to it
+
+
+def auth() -> dict[str, str]:
+    return dict(AUTH)
+
+
+CPU_ONLY = "name: cpu-only\ningress: cpu\ndevices:\n  cpu: {kind: cpu, cores: 2}\nlinks: []\n"
+
+
+class Served:
+    """A `nicoffload serve` process and the JSON line it printed when ready."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [NICOFFLOAD, "serve", str(PIPELINE), "--listen", "127.0.0.1:0", *args],
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            self.stop()
+            pytest.fail(f"serve did not become ready: {log.read_text()[-3000:]}")
+        self.doc = json.loads(line)
+        self.hostport = self.doc["url"].split("//")[1].split("/")[0]
+        self.client = httpclient.InferenceServerClient(self.hostport, network_timeout=120)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "cpu.yaml").write_text(CPU_ONLY)
+    out = folder / "plan.json"
+    subprocess.run(
+        [
+            NICOFFLOAD,
+            "plan",
+            str(PIPELINE),
+            "--topology",
+            str(folder / "cpu.yaml"),
+            "--output",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("token") / "token"
+    p.write_text(TOKEN + "\n")
+    return p
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [b for _, b in sample_images(5, 3)]
+
+
+@pytest.fixture(scope="module")
+def server(plan, token_file, tmp_path_factory):
+    s = Served(
+        ["--plan", str(plan), "--token-file", str(token_file), "--read-timeout", "1"],
+        tmp_path_factory.mktemp("log") / "serve.log",
+    )
+    yield s
+    assert s.stop() == 0
+
+
+def image_input(blobs: list[bytes], binary: bool = True) -> httpclient.InferInput:
+    i = httpclient.InferInput("image", [len(blobs)], "BYTES")
+    i.set_data_from_numpy(np.array(blobs, dtype=object), binary_data=binary)
+    return i
+
+
+def refused(client, inputs, **kw) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(MODEL, inputs, headers=dict(kw.pop("headers", AUTH)), **kw)
+    return err.value
+
+
+def raw(hostport: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(hostport, timeout=60)
+    conn.request("POST", f"/v2/models/{MODEL}/infer", body, {**AUTH, **headers})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_ready_line_names_the_url_model_and_plan(server):
+    assert server.doc["model"] == MODEL and server.doc["url"].endswith(f"/v2/models/{MODEL}/infer")
+    assert server.doc["placement"] == {
+        "decode": "cpu",
+        "resize": "cpu",
+        "crop": "cpu",
+        "norm": "cpu",
+    }
+    assert server.doc["auth"] == "bearer"
+
+
+def test_outputs_equal_nicoffload_run_bit_for_bit(server, plan, images):
+    want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
+    res = server.client.infer(MODEL, [image_input(images)], request_id="req-1", headers=auth())
+    got = res.as_numpy("pixels")
+    assert got.dtype == np.float16 and got.shape == (5, 3, 224, 224)
+    assert got.tobytes() == want.tobytes()
+    doc = res.get_response()
+    assert doc["id"] == "req-1"
+    assert {"receive_us", "queue_us", "pipeline_us", "server_us"} <= set(doc["parameters"])
+
+
+def test_json_output_when_asked(server, plan, images):
+    want = nicoffload.run(PIPELINE, images[:1], plan=plan).outputs["pixels"]
+    out = httpclient.InferRequestedOutput("pixels", binary_data=False)
+    res = server.client.infer(MODEL, [image_input(images[:1])], outputs=[out], headers=auth())
+    assert res.as_numpy("pixels").astype(np.float16).tobytes() == want.tobytes()
+
+
+def test_health_is_open_and_the_rest_needs_the_token(server):
+    assert server.client.is_server_live() and server.client.is_server_ready()
+    with pytest.raises(InferenceServerException, match="401"):
+        server.client.get_model_metadata(MODEL)
+    meta = server.client.get_model_metadata(MODEL, headers=auth())
+    assert meta["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1]}]
+
+
+def test_infer_without_or_with_a_wrong_token_is_401(server, images):
+    assert refused(server.client, [image_input(images[:1])], headers={}).status() == "401"
+    wrong = {"Authorization": "Bearer nope"}
+    err = refused(server.client, [image_input(images[:1])], headers=wrong)
+    assert err.status() == "401" and "wrong bearer token" in err.message()
+
+
+def test_unknown_model_is_404(server, images):
+    with pytest.raises(InferenceServerException, match="unknown model 'resnet'"):
+        server.client.infer("resnet", [image_input(images[:1])], headers=auth())
+
+
+@pytest.mark.parametrize(
+    ("name", "datatype", "shape", "status", "words"),
+    [
+        ("images", "BYTES", [1], "400", "unknown input 'images'"),
+        ("image", "FP32", [1], "400", "datatype FP32, expected BYTES"),
+        ("image", "BYTES", [1, 1], "400", "expected [N]"),
+    ],
+)
+def test_a_tensor_that_does_not_fit_is_400(server, name, datatype, shape, status, words):
+    i = httpclient.InferInput(name, shape, datatype)
+    n = int(np.prod(shape))
+    data = np.array([b"x"] * n, dtype=object) if datatype == "BYTES" else np.zeros(n, np.float32)
+    i.set_data_from_numpy(data.reshape(shape))
+    err = refused(server.client, [i])
+    assert err.status() == status and words in err.message()
+
+
+def test_wrong_content_type_and_bad_json(server):
+    assert raw(server.hostport, b"{}", {"Content-Type": "text/plain"})[0] == 415
+    status, doc = raw(server.hostport, b"{oops", {"Content-Type": "application/json"})
+    assert status == 400 and "not valid JSON" in doc["error"]
+
+
+def test_oversize_is_413_before_the_body_is_read(server):
+    conn = http.client.HTTPConnection(server.hostport, timeout=60)
+    conn.putrequest("POST", f"/v2/models/{MODEL}/infer")
+    conn.putheader("Authorization", AUTH["Authorization"])
+    conn.putheader("Content-Length", str(10**10))
+    conn.endheaders()  # no body is ever sent
+    r = conn.getresponse()
+    assert r.status == 413 and "more than the limit" in json.loads(r.read())["error"]
+
+
+def test_binary_data_shorter_than_announced_is_400(server):
+    head = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "BYTES",
+                    "shape": [1],
+                    "parameters": {"binary_data_size": 50},
+                }
+            ]
+        }
+    ).encode()
+    status, doc = raw(
+        server.hostport,
+        head + b"\x05\x00\x00\x00ab",
+        {"Inference-Header-Content-Length": str(len(head))},
+    )
+    assert status == 400 and "body truncated" in doc["error"]
+
+
+def test_a_body_that_stops_short_of_its_content_length_is_408(server):
+    host, port = server.hostport.split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(
+            f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"inputs"'.encode()
+        )
+        head = s.recv(65536)  # the server gives up after --read-timeout (1 s here)
+    assert head.startswith(b"HTTP/1.1 408")
+
+
+def test_a_corrupt_jpeg_fails_its_request_alone(server, plan, images):
+    want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(
+            refused,
+            httpclient.InferenceServerClient(server.hostport),
+            [image_input([images[0][:300]])],
+        )
+        goods = [
+            pool.submit(
+                httpclient.InferenceServerClient(server.hostport).infer,
+                MODEL,
+                [image_input(images)],
+                headers=auth(),
+            )
+            for _ in range(3)
+        ]
+        err = bad.result()
+        assert err.status() == "400" and "item 0: truncated" in err.message()
+        for g in goods:
+            assert g.result().as_numpy("pixels").tobytes() == want.tobytes()
+
+
+def test_a_request_larger_than_max_queue_is_413(server, images):
+    err = refused(server.client, [image_input([images[0]] * 257)])
+    assert err.status() == "413" and "--max-queue" in err.message()
+
+
+@pytest.fixture
+def gated(plan, tmp_path):
+    """A server whose model blocks until the test opens its gate (tests/serve_models.py)."""
+
+    def start(*args: str) -> Served:
+        return Served(
+            ["--plan", str(plan), "--model", "serve_models:gated", *args],
+            tmp_path / "serve.log",
+            {"PYTHONPATH": str(ROOT / "tests"), "SERVE_GATE_DIR": str(tmp_path)},
+        )
+
+    started: list[Served] = []
+    yield lambda *a: started.append(start(*a)) or started[-1]
+    (tmp_path / "open").touch()
+    for s in started:
+        s.stop()
+
+
+def wait_for(path: Path) -> None:
+    for _ in range(6000):
+        if path.exists():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{path} never appeared")
+
+
+def rows_run(folder: Path) -> int:
+    f = folder / "rows"
+    return sum(int(x) for x in f.read_text().split()) if f.exists() else 0
+
+
+def test_a_request_past_its_deadline_gets_504_and_runs_nothing(gated, tmp_path, images):
+    (tmp_path / "open").touch()
+    s = gated()
+    # 1 us: over before the server has even read the request, let alone queued it
+    err = refused(s.client, [image_input(images[:3])], headers={}, timeout=1)
+    assert err.status() == "504" and "3 of 3 items were not run" in err.message()
+    err = refused(s.client, [image_input(images[:1])], headers={"Nicoffload-Timeout-Us": "1"})
+    assert err.status() == "504"
+    res = s.client.infer(MODEL, [image_input(images[:2])])
+    assert res.as_numpy("mean").shape == (2,)
+    assert rows_run(tmp_path) == 2  # the model saw only the second request's items
+    assert s.stop() == 0
+    assert "2 items run, 4 never run (deadline)" in s.log.read_text()
+
+
+def test_past_max_queue_is_503_at_once(gated, tmp_path, images):
+    s = gated("--max-queue", "2")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(s.client.infer, MODEL, [image_input(images[:2])])
+        wait_for(tmp_path / "entered")  # its 2 items are in the model: the queue is full
+        other = httpclient.InferenceServerClient(s.hostport)
+        err = refused(other, [image_input(images[:1])], headers={})
+        assert err.status() == "503" and "--max-queue" in err.message()
+        (tmp_path / "open").touch()
+        assert held.result().as_numpy("mean").shape == (2,)
+    assert other.infer(MODEL, [image_input(images[:1])]).as_numpy("mean").shape == (1,)
+
+
+def test_sigterm_drains_answers_in_flight_refuses_new_and_exits_0(gated, tmp_path, images):
+    s = gated()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(s.client.infer, MODEL, [image_input(images[:3])], "", None, "held")
+        wait_for(tmp_path / "entered")
+        s.proc.send_signal(signal.SIGTERM)
+        other = httpclient.InferenceServerClient(s.hostport)
+        for _ in range(6000):  # readiness goes false once the signal is handled
+            if not other.is_server_ready():
+                break
+            time.sleep(0.01)
+        assert not other.is_server_ready()
+        err = refused(other, [image_input(images[:1])], headers={})
+        assert err.status() == "503" and "draining" in err.message()
+        (tmp_path / "open").touch()
+        res = held.result()
+        assert res.get_response()["id"] == "held" and res.as_numpy("mean").shape == (3,)
+    assert s.proc.wait(60) == 0
+
+
+def test_the_local_split_plan_serves_the_same_tensors(plan, tmp_path, images):
+    """decode, resize and crop on the local (emulated) DPU agent, normalize on the host: the
+    DPU stage runs on the agent through the Session, the HTTP ingress stays in `serve`."""
+    from split_plans import SPLIT, plan_of
+
+    pipeline = nicoffload.load_pipeline(PIPELINE)
+    split = tmp_path / "split.json"
+    plan_of(pipeline, SPLIT, topology="local").save(split)
+    want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
+    s = Served(["--plan", str(split)], tmp_path / "serve.log")
+    try:
+        assert s.doc["placement"] == SPLIT
+        res = s.client.infer(MODEL, [image_input(images)])
+        assert res.as_numpy("pixels").tobytes() == want.tobytes()
+    finally:
+        assert s.stop() == 0
