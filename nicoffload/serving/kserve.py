@@ -220,19 +220,20 @@ def _requested(raw: Any) -> dict[str, bool] | None:
 def parse_infer(body: bytes, content_type: str, header_length: str | None) -> InferRequest:
     """An infer request from its body, its Content-Type and its Inference-Header-Content-Length
     (None: the body is JSON alone)."""
+    # no Content-Type at all is taken: Triton's own clients send none
     ctype = content_type.split(";")[0].strip().lower()
     if header_length is None:
-        if ctype not in JSON_TYPES:
+        if ctype and ctype not in JSON_TYPES:
             raise RequestError(
-                f"Content-Type '{ctype or '(none)'}': a JSON request is application/json (or "
+                f"Content-Type '{ctype}': a JSON request is application/json (or "
                 f"give {HEADER_LENGTH} for JSON + binary data)",
                 415,
             )
         head, binary = body, None
     else:
-        if ctype not in (*JSON_TYPES, *BINARY_TYPES):
+        if ctype and ctype not in (*JSON_TYPES, *BINARY_TYPES):
             raise RequestError(
-                f"Content-Type '{ctype or '(none)'}': one of {', '.join(JSON_TYPES + BINARY_TYPES)}",
+                f"Content-Type '{ctype}': one of {', '.join(JSON_TYPES + BINARY_TYPES)}",
                 415,
             )
         try:

@@ -28,9 +28,9 @@ def clip():
 
 
 def triton_body(inputs, **kw):
+    """What tritonclient sends: the body, no Content-Type, the header length (or None)."""
     body, header = httpclient.InferenceServerClient.generate_request_body(inputs, **kw)
-    ctype = "application/json" if header is None else "application/octet-stream"
-    return body, ctype, None if header is None else str(header)
+    return body, "", None if header is None else str(header)
 
 
 def bytes_input(name, elements, binary=True):
@@ -48,6 +48,16 @@ def test_binary_bytes_input_from_the_triton_client_is_one_item_per_element(resne
         {"image": b"xyz" * 9},
     ]
     assert req.binary_output  # no outputs named: the client asks for binary outputs
+
+
+def test_a_content_type_that_is_given_must_fit():
+    body, _, header = triton_body([bytes_input("image", [b"a"])])
+    assert kserve.parse_infer(body, "application/octet-stream", header).inputs["image"].data == [
+        b"a"
+    ]
+    with pytest.raises(RequestError) as err:
+        kserve.parse_infer(body, "text/plain", header)
+    assert err.value.status == 415
 
 
 def test_json_bytes_input_and_request_id(clip):
