@@ -136,6 +136,11 @@ class Connection(Ingress):
         self.ch.close()
         self.agent.forget(self)
 
+    def announce_drain(self, why: str) -> None:
+        """An unsolicited DRAIN (request id 0) to an authenticated client: the agent takes no
+        new requests from now on, and finishes those it has; the client stops submitting."""
+        self.ch.post(frame(Kind.DRAIN, {"reason": why}, request_id=0), _DONTWAIT)
+
     def stop(self) -> None:
         """Wake the reader: it sees EOF (or stops waiting for memory) and finishes the session."""
         self.account.cancel()

@@ -198,6 +198,8 @@ class Agent:
         self._stop.set()
         self.draining = True
         log_event(log, logging.INFO, "draining")
+        for c in self.admission.sessions():  # told first: a client stops sending what we refuse
+            c.announce_drain("the agent is shutting down")
         self._wake_w.send(b"x")
         self._acceptor.join(5.0)
         deadline = time.monotonic() + self.config.drain_timeout_s

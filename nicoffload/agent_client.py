@@ -35,6 +35,7 @@ from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import ErrorMeta, Kind, decode_meta
 
 LOAD_TIMEOUT = 300.0  # binding a stage compiles its kernels (numba) the first time
+READ_TO_END_S = 0.5  # a send that failed waits this long for the reader to read what came first
 
 
 def parse_agent_address(address: str) -> tuple[str, int]:
@@ -88,6 +89,7 @@ class AgentClient:
         self._credits = 0
         self._error: AgentError | None = None
         self._closed = False
+        self.draining: str | None = None  # the agent said it drains (it takes nothing new): why
         self.loaded: LoadAck | None = None
         try:
             self.agent = self._handshake(token, client_name, connect_timeout)
@@ -152,6 +154,12 @@ class AgentClient:
             self._cond.notify_all()
         self._ch.shutdown()
 
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the control connection to end (True once it has): a
+        transfer that ended first learns from it why (an agent that drains says so there)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.alive, timeout)
+
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
@@ -169,6 +177,10 @@ class AgentClient:
                         self._cond.notify_all()
                 elif header.kind is Kind.ERROR and header.request_id == 0:
                     return self._die(_message(meta))
+                elif header.kind is Kind.DRAIN and header.request_id == 0:
+                    with self._cond:  # unsolicited: the agent shuts down, finishing what it has
+                        self.draining = _reason(meta)
+                        self._cond.notify_all()
                 elif header.kind in (Kind.ACK, Kind.STATS, Kind.HEARTBEAT, Kind.ERROR):
                     with self._cond:
                         call = self._calls.pop(header.request_id, None)
@@ -285,6 +297,9 @@ class AgentClient:
             try:
                 self._ch.send(head, parts or ())
             except TransportError as exc:
+                # The agent closed its end: what it said before (a drain notice, an ERROR) is
+                # still to be read. The reader reads it to the end first (briefly), then dies.
+                self._reader.join(READ_TO_END_S)
                 self._die(str(exc))
                 self._check()
             if parts is None:
@@ -334,6 +349,16 @@ class AgentClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reason(blob: bytes) -> str:
+    """The reason an unsolicited DRAIN gives (any text, shown as given, bounded)."""
+    try:
+        doc = decode_meta(blob)
+    except Exception:  # a malformed reason must not cost the connection
+        doc = None
+    why = doc.get("reason") if isinstance(doc, dict) else None
+    return str(why)[:200] if why else "the agent drains"
 
 
 def _message(blob: bytes) -> str:

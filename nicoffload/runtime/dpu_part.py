@@ -128,7 +128,8 @@ class _Flight:
             try:
                 front.submit_batch(tasks)
             except AgentError as exc:
-                self.take_back(str(exc))  # includes these tasks, recorded before the submit
+                # includes these tasks, recorded before the submit
+                self.take_back(front.why_ended(str(exc)))
         else:
             self.on_host(tasks, front.dead or front.refusing or "the agent is gone")
 

@@ -308,7 +308,8 @@ class Executor:
                     try:
                         front.submit_batch(tasks)
                     except AgentError as exc:
-                        take_back(str(exc))  # includes these tasks, recorded before the submit
+                        # includes these tasks, recorded before the submit
+                        take_back(front.why_ended(str(exc)))
                 else:
                     on_host(tasks, front.dead or front.refusing or "the agent is gone")
             finish(b)

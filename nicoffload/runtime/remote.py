@@ -103,7 +103,21 @@ class RemoteFront:
     @property
     def accepting(self) -> bool:
         """New items may go to the agent (alive, and not draining)."""
+        self._heed_drain()
         return self.alive and self.refusing is None
+
+    def _heed_drain(self) -> None:
+        """An agent that drains says so (an unsolicited DRAIN): it takes nothing new."""
+        if self.refusing is None and self.client is not None and self.client.draining:
+            self.refusing = f"the agent is draining: {self.client.draining}"
+
+    def why_ended(self, why: str) -> str:
+        """Why the agent's transfer ended: an agent that drains closes its control connection
+        just before its transfer and says so there first (wait for it briefly), else `why`."""
+        if self.client is not None and self.client.alive:
+            self.client.wait_gone(0.5)
+        self._heed_drain()
+        return self.refusing or why
 
     def begin_call(self) -> None:
         """A new call of a session: its transfers are counted afresh (request ids go on)."""
@@ -151,17 +165,17 @@ class RemoteFront:
         to `on_host`, and every unclaimed one to `on_death` once the agent is gone."""
         while not finished():
             if not self.alive:
-                on_death(self.dead or "the agent stopped answering")
+                on_death(self.dead or self.why_ended("the agent stopped answering"))
                 return
             try:
                 d = (self.landing or self.receiver).recv(timeout=POLL_S)
             except TransportError as exc:
                 if " within " in str(exc):  # an idle poll, not a failure
                     continue
-                on_death(f"the agent's transfer failed: {exc}")
+                on_death(self.why_ended(f"the agent's transfer failed: {exc}"))
                 return
             if d is None:
-                on_death("the agent closed its transfer")
+                on_death(self.why_ended("the agent closed its transfer"))
                 return
             self._take(d, on_rows, on_host)
 

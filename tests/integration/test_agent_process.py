@@ -102,6 +102,8 @@ def test_sigterm_drains_in_flight_work_then_exits_0(agent, token_file) -> None:
                 delivered[rid] = d.meta["failed"].get(rid, ["ok"])[0]
             rx.release(d)
         assert delivered == dict.fromkeys(range(24), "ok")
+        # it said so first, on the control connection (the host stops submitting)
+        assert client.draining == "the agent is shutting down"
         assert agent.wait_exit(30) == 0
         client.close()
 
