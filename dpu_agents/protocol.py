@@ -21,6 +21,10 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
     STATS / DRAIN / HEARTBEAT / SHUTDOWN #call
                                         <-   STATS / ACK / HEARTBEAT / ACK #call | ERROR #call
                                         <-   ERROR request_id=0: fatal, then the agent closes
+                                        <-   DRAIN request_id=0 {reason}: the agent shuts
+                                             down; it takes no new REQUEST (those that come
+                                             fail as agent_draining), finishes what it has,
+                                             then closes
 
 `#call` is a call id in the header's request_id (>= 1) that the reply echoes. Outputs do not come
 back on this connection: the agent forwards them to the receiver named by LOAD's `forward_to`,
