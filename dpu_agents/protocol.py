@@ -7,7 +7,7 @@ Every frame is a `transport.frame` frame (64-byte header, msgpack meta, payload)
                                         <-   CHALLENGE {nonce_a, agent}
     AUTH    {nonce_c, proof_c}          ->                    (wrong proof: ERROR, closed, logged)
                                         <-   WELCOME {proof_a, agent, cores, max_request_bytes}
-    from here on, both ways, every frame is followed by a 32-byte MAC (auth.session_keys,
+    from here on, both ways, every frame is followed by a 16-byte MAC (GMAC; auth.session_keys,
     transport.integrity): one that fails is an ERROR and the connection closes (`bad_mac`)
     LOAD    #call {stage, forward_to, ...} + payload: pipeline YAML, plan JSON
                                         <-   ACK #call {session, window, outputs} | ERROR #call
