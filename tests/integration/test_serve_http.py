@@ -275,6 +275,26 @@ def test_a_request_larger_than_max_queue_is_413(server, images):
     assert err.status() == "413" and "--max-queue" in err.message()
 
 
+def test_loadgen_open_and_closed_loop_against_serve(server, token_file, tmp_path):
+    def loadgen(*args: str) -> dict:
+        common = ["--duration", "1", "--sample", "3", "--token-file", str(token_file), "--json"]
+        out = subprocess.run(
+            [NICOFFLOAD, "loadgen", server.doc["url"], *common, *args],
+            check=True,
+            capture_output=True,
+        )
+        return json.loads(out.stdout)
+
+    doc = loadgen("--rate", "10,30", "--plot", str(tmp_path / "load.png"))
+    assert [r["offered_per_s"] for r in doc["runs"]] == [10.0, 30.0]
+    for r in doc["runs"]:
+        assert r["sent"] > 0 and r["ok"] == r["sent"] and r["errors_by_status"] == {}
+        assert {"receive_ms", "queue_ms", "pipeline_ms", "server_ms"} <= set(r["breakdown_ms"])
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    closed = loadgen("--concurrency", "2")["runs"][0]
+    assert closed["concurrency"] == 2 and closed["ok"] == closed["sent"] > 0
+
+
 @pytest.fixture
 def gated(plan, tmp_path):
     """A server whose model blocks until the test opens its gate (tests/serve_models.py)."""

@@ -1,0 +1,152 @@
+"""`nicoffload loadgen`: load an inference endpoint, open or closed loop, and report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nicoffload.cli import app, emit_json, handle_errors
+from nicoffload.errors import Mark, SystemFailure, UserError
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(r <= 0 for r in rates):
+        raise UserError(
+            f"--rate '{text}': give requests per second > 0, or a comma list (50,100,200)"
+        )
+    return rates
+
+
+def input_name(url: str, token: str | None) -> str:
+    """The endpoint's one BYTES input, from its model metadata (the URL without /infer)."""
+    if not url.rstrip("/").endswith("/infer"):
+        raise UserError(
+            f"URL '{url}': give the inference URL `serve` prints (…/v2/models/NAME/infer)"
+        )
+    meta_url = url.rstrip("/")[: -len("/infer")]
+    req = urllib.request.Request(
+        meta_url, headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            meta = json.load(resp)
+    except OSError as exc:
+        raise SystemFailure(
+            f"loadgen: cannot read the model's metadata at {meta_url}: {exc}"
+        ) from None
+    inputs = meta.get("inputs") or []
+    if len(inputs) != 1 or inputs[0].get("datatype") != "BYTES":
+        raise UserError(f"loadgen sends one BYTES input; the model has {inputs}")
+    return str(inputs[0]["name"])
+
+
+def load_items(images: Path | None, sample: int | None, seed: int) -> list[bytes]:
+    if (images is None) == (sample is None):
+        raise UserError("give exactly one of --images DIR or --sample N")
+    if sample is not None:
+        from nicoffload.samples import sample_images
+
+        return [b for _, b in sample_images(sample, seed)]
+    assert images is not None
+    if not images.is_dir():
+        raise UserError(f"--images: '{images}' is not a folder", Mark(str(images), 1, 1))
+    files = sorted(p for p in images.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise UserError(f"--images: no files in '{images}'", Mark(str(images), 1, 1))
+    return [p.read_bytes() for p in files]
+
+
+def table(doc: dict[str, Any]) -> Table:
+    t = Table(title=f"nicoffload loadgen {doc['url']}", title_justify="left")
+    for col in (
+        "offered/s",
+        "sent",
+        "ok",
+        "goodput/s",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "errors",
+    ):
+        t.add_column(col, justify="right")
+    for r in doc["runs"]:
+        lat = r["latency_ms"]
+        t.add_row(
+            "closed" if r["offered_per_s"] is None else f"{r['offered_per_s']:g}",
+            str(r["sent"]),
+            str(r["ok"]),
+            f"{r['goodput_per_s']:.1f}",
+            *("-" if lat[k] is None else f"{lat[k]:.2f}" for k in ("p50", "p90", "p99", "p99.9")),
+            ", ".join(f"{k}: {v}" for k, v in r["errors_by_status"].items()) or "-",
+        )
+    return t
+
+
+@app.command()
+@handle_errors
+def loadgen(
+    url: str = typer.Argument(..., help="the inference URL `nicoffload serve` printed"),
+    rate: str | None = typer.Option(
+        None, "--rate", help="open loop: Poisson arrivals at R requests/s; a comma list sweeps"
+    ),
+    duration: float = typer.Option(10.0, "--duration", min=0.01, help="seconds per run"),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", min=1, help="closed loop (without --rate): C clients back to back"
+    ),
+    images: Path | None = typer.Option(None, "--images", help="a folder of files: one per request"),
+    sample: int | None = typer.Option(None, "--sample", min=1, help="N generated JPEGs instead"),
+    token_file: Path | None = typer.Option(None, "--token-file", help="the server's bearer token"),
+    seed: int = typer.Option(0, "--seed", help="seed of the arrivals and of --sample"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+    plot_file: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="draw latency against load and the stacked breakdown (PNG; extra 'plot')",
+    ),
+) -> None:
+    """Load an Open Inference Protocol endpoint with one item per request and report goodput, latency percentiles (p50/p90/p99/p99.9), errors by HTTP status, and the mean per-request breakdown the server returns (receive, queue, pipeline, model, and what it cannot attribute).
+
+    Open loop: `--rate 100` (or `--rate 50,100,200` to sweep); a request's latency counts from when it was due. Closed loop: `--concurrency 4` without --rate.
+    """
+    from nicoffload.cli.serve import read_token
+    from nicoffload.serving import loadgen as lg
+
+    if rate is None and concurrency is None:
+        raise UserError("give --rate R (open loop) or --concurrency C (closed loop)")
+    if rate is not None and concurrency is not None:
+        raise UserError("--concurrency is the closed loop: give it without --rate")
+    rates: list[float | None] = list(parse_rates(rate)) if rate is not None else [None]
+    token = read_token(token_file) if token_file is not None else None
+    items = load_items(images, sample, seed)
+    name = input_name(url, token)
+    bodies = [lg.request_body(name, [b]) for b in items]
+    runs = []
+    for r in rates:
+        results, wall = asyncio.run(lg.run_load(url, bodies, duration, r, concurrency, token, seed))
+        runs.append(
+            lg.summarize(results, wall, r) | ({"concurrency": concurrency} if r is None else {})
+        )
+    doc = {"url": url, "mode": "open" if rate is not None else "closed", "runs": runs}
+    if plot_file is not None:
+        lg.plot(runs, str(plot_file))
+    if json_out:
+        emit_json(doc)
+    else:
+        Console().print(table(doc))
+        for r in runs:
+            parts = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r["breakdown_ms"].items())
+            Console().print(
+                f"mean breakdown (ms) at {r['offered_per_s'] or 'closed loop'}: {parts}"
+            )
