@@ -175,9 +175,11 @@ def serve(
 
     Deadlines: Triton's `timeout` request parameter or the `Nicoffload-Timeout-Us` header (microseconds); an item whose deadline passed before it enters the pipeline is not run (HTTP 504).
     """
+    # our own log at INFO; other libraries' (torch, aiohttp) at WARNING
     logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+        stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
+    logging.getLogger("nicoffload").setLevel(logging.INFO)
     from nicoffload.runner import prepare
     from nicoffload.serving.batcher import Batcher
     from nicoffload.serving.server import ServeConfig, Server
@@ -213,3 +215,5 @@ def serve(
                 f"serve: the pipeline failed: {batcher.failure}"
             ) from batcher.failure
     log.info("drained: %d items run, %d never run (deadline)", batcher.items_run, batcher.expired)
+    if batcher.failed_over:
+        log.info("failover during the run: %s", batcher.failed_over)

@@ -78,6 +78,7 @@ class Batcher:
         self.expired = 0  # items never run: their request's deadline had passed
         self.items_run = 0  # items handed to the runtime
         self.failure: BaseException | None = None  # what ended the stream, if not a stop
+        self.failed_over: str | None = None  # why the DPU stages' items went to the host
         self._thread = threading.Thread(target=self._run, name="nicoffload-serve", daemon=True)
         self.ended = threading.Event()
 
@@ -165,6 +166,11 @@ class Batcher:
 
     def _deliver(self, batch: Batch) -> None:
         t_out = time.perf_counter()
+        if self.failed_over is None:  # the runtime took the DPU stages back: said once
+            why = getattr(self.session.executor, "failed_over", None)
+            if why:
+                self.failed_over = why
+                log.warning("failover: the DPU stages' items now run on the host: %s", why)
         if any(hasattr(v, "is_cuda") for v in batch.outputs.values()):
             batch = batch.numpy()
         keep = np.flatnonzero(batch.ok)

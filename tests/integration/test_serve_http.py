@@ -374,19 +374,53 @@ def test_sigterm_drains_answers_in_flight_refuses_new_and_exits_0(gated, tmp_pat
     assert s.proc.wait(60) == 0
 
 
-def test_the_local_split_plan_serves_the_same_tensors(plan, tmp_path, images):
+@pytest.fixture(scope="module")
+def split_server(tmp_path_factory):
     """decode, resize and crop on the local (emulated) DPU agent, normalize on the host: the
     DPU stage runs on the agent through the Session, the HTTP ingress stays in `serve`."""
     from split_plans import SPLIT, plan_of
 
-    pipeline = nicoffload.load_pipeline(PIPELINE)
-    split = tmp_path / "split.json"
-    plan_of(pipeline, SPLIT, topology="local").save(split)
+    folder = tmp_path_factory.mktemp("split")
+    plan_of(nicoffload.load_pipeline(PIPELINE), SPLIT, topology="local").save(folder / "split.json")
+    s = Served(["--plan", str(folder / "split.json")], folder / "serve.log")
+    yield s
+    assert s.stop() == 0
+
+
+def test_the_local_split_plan_serves_the_same_tensors(split_server, plan, images):
+    from split_plans import SPLIT
+
+    assert split_server.doc["placement"] == SPLIT
     want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
-    s = Served(["--plan", str(split)], tmp_path / "serve.log")
-    try:
-        assert s.doc["placement"] == SPLIT
-        res = s.client.infer(MODEL, [image_input(images)])
-        assert res.as_numpy("pixels").tobytes() == want.tobytes()
-    finally:
-        assert s.stop() == 0
+    res = split_server.client.infer(MODEL, [image_input(images)])
+    assert res.as_numpy("pixels").tobytes() == want.tobytes()
+
+
+def test_an_agent_killed_under_load_loses_no_request(split_server, plan, images):
+    """kill -9 of the agent after the 10th of 40 answers: every request is answered, with its
+    own id and its own image's tensor, the host running the DPU stage from then on."""
+    want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
+    pid = split_server.proc.pid
+    agents = [
+        int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()
+    ]
+    assert agents, "serve started no agent"
+
+    def one(k: int):
+        client = httpclient.InferenceServerClient(split_server.hostport, network_timeout=120)
+        return k, client.infer(MODEL, [image_input([images[k % 5]])], request_id=f"r{k}")
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, k) for k in range(40)]
+        for n, _done in enumerate(concurrent.futures.as_completed(futures), 1):
+            if n == 10:
+                for a in agents:
+                    os.kill(a, signal.SIGKILL)
+        for f in futures:
+            k, res = f.result()
+            assert res.get_response()["id"] == f"r{k}"
+            assert res.as_numpy("pixels").tobytes() == want[k % 5 : k % 5 + 1].tobytes()
+    assert (
+        split_server.client.infer(MODEL, [image_input(images[:1])]).as_numpy("pixels").shape[0] == 1
+    )
+    assert "failover: the DPU stages' items now run on the host" in split_server.log.read_text()
