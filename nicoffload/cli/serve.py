@@ -114,6 +114,7 @@ async def _serve(
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGTERM)  # `handle_errors`' (SIGTERM unwinds)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
 
     async def stream_ended() -> None:  # the pipeline failed: stop serving (exit 1 below)
@@ -129,6 +130,7 @@ async def _serve(
         await server.drain()
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
         await runner.cleanup()
 
 
@@ -208,8 +210,10 @@ def serve(
             "max_queue": max_queue,
             "auth": "bearer" if token else "none",
         }
-        asyncio.run(_serve(server, batcher, host, port, ready))
-        batcher.stop(timeout=30)
+        try:
+            asyncio.run(_serve(server, batcher, host, port, ready))
+        finally:  # the stream ends before the session closes (Ctrl-C too): close waits for it
+            batcher.stop(timeout=30)
         if batcher.failure is not None:
             raise SystemFailure(
                 f"serve: the pipeline failed: {batcher.failure}"

@@ -109,7 +109,8 @@ class Batcher:
     def stop(self, timeout: float | None = None) -> None:
         """End the stream once the queued requests have gone in; wait for the thread."""
         self._queue.put(_STOP)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _items(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """The stream's items: blocks for the next request; a request past its deadline is
