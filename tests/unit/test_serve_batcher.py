@@ -1,0 +1,98 @@
+"""The Batcher on a real host-only Session (in process, no agent): requests through one stream,
+matched back by item name, the model's failures kept to their batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nicoffload
+from nicoffload.runner import prepare
+from nicoffload.samples import sample_images
+from nicoffload.serving.batcher import Batcher, Outcome, Pending
+from nicoffload.session import Session
+from nicoffload.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_ONLY = "name: cpu-only\ningress: cpu\ndevices:\n  cpu: {kind: cpu, cores: 2}\nlinks: []\n"
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batcher")
+    text = (ROOT / "pipelines" / "resnet50.yaml").read_text()
+    # batches of 2: a request of 5 items spans 3 of them
+    (folder / "p.yaml").write_text(text.replace("batch: {max_size: 64", "batch: {max_size: 2"))
+    (folder / "cpu.yaml").write_text(CPU_ONLY)
+    return prepare(folder / "p.yaml", None, load_topology(folder / "cpu.yaml"))
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [b for _, b in sample_images(5, 7)]
+
+
+def ask(batcher: Batcher, items: list[dict]) -> Outcome:
+    got: list[Outcome] = []
+    done = threading.Event()
+    now = time.perf_counter()
+    batcher.submit(Pending(items, lambda o: (got.append(o), done.set()), now, now))
+    assert done.wait(120)
+    return got[0]
+
+
+def serving(prep, model=None):
+    session = Session(prep)
+    batcher = Batcher(session, model, max_queue=64)
+    batcher.start()
+    return session, batcher
+
+
+def test_a_request_over_several_batches_comes_back_whole_and_in_order(prep, images):
+    want = nicoffload.run(prep.pipeline, images, plan=prep.plan).outputs["pixels"]
+    session, batcher = serving(prep)
+    with session:
+        out = ask(batcher, [{"image": b} for b in images])
+        batcher.stop(30)
+    assert out.status == 200 and out.timings["batches"] == 3
+    assert out.outputs["pixels"].tobytes() == want.tobytes()
+
+
+def test_a_model_that_raises_fails_its_batch_only(prep, images):
+    calls = []
+
+    def model(outs):
+        calls.append(len(outs["pixels"]))
+        if len(calls) == 1:
+            raise RuntimeError("cuda out of memory")
+        return {"n": np.arange(len(outs["pixels"]))}
+
+    session, batcher = serving(prep, model)
+    with session:
+        first = ask(batcher, [{"image": images[0]}])
+        second = ask(batcher, [{"image": images[1]}])
+        batcher.stop(30)
+    assert first.status == 500 and "RuntimeError: cuda out of memory" in first.error
+    assert second.status == 200 and second.outputs["n"].tolist() == [0]
+    assert "model_us" in second.timings
+
+
+def test_a_model_with_the_wrong_number_of_rows_is_a_500(prep, images):
+    session, batcher = serving(prep, lambda outs: {"x": np.zeros(7)})
+    with session:
+        out = ask(batcher, [{"image": images[0]}])
+        batcher.stop(30)
+    assert out.status == 500 and "not 1 rows" in out.error
+
+
+def test_a_corrupt_item_fails_its_request_with_the_reason(prep, images):
+    session, batcher = serving(prep)
+    with session:
+        out = ask(batcher, [{"image": images[0]}, {"image": b"\xff\xd8\xff" + b"\0" * 50}])
+        batcher.stop(30)
+    assert out.status == 400 and out.error.startswith("item 1: ")
+    assert batcher.outstanding == 0
