@@ -230,14 +230,22 @@ def resample_window(
     if not src.flags.c_contiguous:
         src = np.ascontiguousarray(src)
     h, w, _ = src.shape
-    oh, ow = out_hw
     y0, y1, x0, x1 = window
-    xs, xw = padded_coeffs(w, ow, antialias)
-    yb, yw = coeffs(h, oh, antialias)
     dy, dx = offset
-    mode = 0 if lut is None else (1 if chw else 2)
-    table = _NO_LUT if lut is None else lut
-    resample(src, xs, xw, yb, yw, y0, y1, x0, x1, table, dst, dy, dx, mode)
+    table, mode = lut_mode(lut, chw)
+    resample(src, *tables(h, w, out_hw, antialias), y0, y1, x0, x1, table, dst, dy, dx, mode)
+
+
+def tables(h: int, w: int, out_hw: tuple[int, int], antialias: bool) -> tuple:
+    """(xs, xw, yb, yw): `resample`'s coefficient tables for an (h, w) source resized to
+    out_hw; a caller that keeps them per source size calls `resample` itself."""
+    oh, ow = out_hw
+    return (*padded_coeffs(w, ow, antialias), *coeffs(h, oh, antialias))
+
+
+def lut_mode(lut: np.ndarray | None, chw: bool) -> tuple[np.ndarray, int]:
+    """`resample`'s (lut, mode) for writing through `lut` (None: plain uint8) in CHW or HWC."""
+    return (_NO_LUT, 0) if lut is None else (lut, 1 if chw else 2)
 
 
 _NO_LUT = np.zeros((1, 256), np.uint8)

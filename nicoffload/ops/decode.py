@@ -137,7 +137,8 @@ def decoded_size(params: Mapping, consumers: Sequence, h: int, w: int) -> tuple[
     """The (height, width) this file's kernel decodes an h x w JPEG to, before its `consumers`
     (Nodes: op, params) read it: DCT-scaled by `dct_scale` to the largest target of the resizes
     when `scaling_rule` allows, else (h, w). The one place this is decided: the kernel asks it
-    per image, the planner's cost model at the typical size, so the two cannot disagree."""
+    once per image size, the planner's cost model at the typical size, so the two cannot
+    disagree."""
     from nicoffload.ops.resize import output_size
 
     rule = scaling_rule(params, consumers)
@@ -231,6 +232,9 @@ def _decode_png(data, color: str, max_pixels: int) -> np.ndarray:
     return px if px.ndim == 3 else px[..., None]
 
 
+DECODED_SIZES = 4096  # image sizes a decoder remembers its decoded size for
+
+
 @kernel("decode_image", "cpu")
 def decode_image_cpu(nodes, consumers):
     """libjpeg-turbo through simplejpeg into a per-thread buffer (DCT-scaled when a resize
@@ -245,6 +249,7 @@ def decode_image_cpu(nodes, consumers):
     channels = 3 if color == "rgb" else 1
     consumers = tuple(consumers)
     scratch = Scratch()
+    sizes: dict[tuple[int, int], tuple[int, int]] = {}  # decoded_size per header size
 
     def fn(data, out: np.ndarray | None = None) -> np.ndarray:
         if len(data) == 0:
@@ -268,7 +273,12 @@ def decode_image_cpu(nodes, consumers):
             raise ItemError(_header_reason(data), f"jpeg header: {exc}") from None
         if h * w > max_pixels:
             raise ItemError("too_large", f"{w}x{h} pixels is more than max_pixels={max_pixels}")
-        sh, sw = decoded_size(p, consumers, h, w)
+        got = sizes.get((h, w))
+        if got is None:  # Python (scaling rule, output sizes, DCT scale): once a size
+            if len(sizes) >= DECODED_SIZES:
+                sizes.clear()
+            got = sizes[h, w] = decoded_size(p, consumers, h, w)
+        sh, sw = got
         cmyk = space in ("CMYK", "YCCK")
         shape = (sh, sw, 4 if cmyk else channels)
         if out is not None and out.shape == shape and out.flags.c_contiguous and not cmyk:

@@ -24,28 +24,66 @@ def _crop_geometry(node, h: int, w: int):
     return (ch, cw), window, offset, inner
 
 
+GEOMETRY_SIZES = 4096  # source sizes remembered per kernel (a dataset has few)
+
+
+class _Geometry:
+    """Per source size (h, w): the crop's size, window, offset and inner rectangle, whether it
+    pads, and with a resize `resample`'s arguments up to its lut (the coefficient tables and
+    the window); worked out once per size, not per item (the Python calls of that were most of
+    these kernels' GIL-held time)."""
+
+    def __init__(self, resize, crop) -> None:
+        self._resize, self._crop = resize, crop
+        self._memo: dict[tuple[int, int], tuple] = {}
+
+    def __call__(self, h: int, w: int) -> tuple:
+        got = self._memo.get((h, w))
+        if got is None:
+            got = self._work_out(h, w)
+            if len(self._memo) >= GEOMETRY_SIZES:
+                self._memo.clear()
+            self._memo[h, w] = got
+        return got
+
+    def _work_out(self, h: int, w: int) -> tuple:
+        from nicoffload.ops._resample import tables
+
+        resize = self._resize
+        oh, ow = output_size(resize.params, h, w) if resize else (h, w)
+        (ch, cw), window, offset, inner = _crop_geometry(self._crop, oh, ow)
+        pads = inner != (0, ch, 0, cw)  # else fill_border would write nothing
+        head = ()
+        if resize:
+            head = (*tables(h, w, (oh, ow), resize.params["antialias"]), *window)
+        return (ch, cw), window, offset, inner, pads, head
+
+
 @kernel(("resize", "center_crop", "normalize"), "cpu")
 def resize_crop_normalize_cpu(nodes, consumers):
     """One pass: only the cropped pixels are resampled, normalized by table into `out`."""
     from nicoffload.ops._imgkern import Scratch, contiguous_out, fill_border, warm_inputs
-    from nicoffload.ops._resample import resample_window
+    from nicoffload.ops._resample import lut_mode, resample
     from nicoffload.ops.normalize import Normalizer
 
     resize, crop, norm_node = nodes
     norm = Normalizer(norm_node.params, "uint8")
-    antialias = resize.params["antialias"]
+    lut, mode = lut_mode(norm.lut, norm.chw)
     pad = norm.pad_value()
     scratch = Scratch()
+    geometry = _Geometry(resize, crop)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         h, w, c = x.shape
-        oh, ow = output_size(resize.params, h, w)
-        (ch, cw), window, offset, inner = _crop_geometry(crop, oh, ow)
+        (ch, cw), _, (dy, dx), inner, pads, head = geometry(h, w)
         if out is None:
             out = scratch.get("out", norm.shape(ch, cw, c), norm.dtype)
         dst = out.view(np.uint16) if out.dtype == np.float16 else out
-        fill_border(dst, pad, *inner, norm.chw)
-        resample_window(x, (oh, ow), window, antialias, dst, offset, norm.lut, norm.chw)
+        if pads:
+            fill_border(dst, pad, *inner, norm.chw)
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        resample(x, *head, lut, dst, dy, dx, mode)  # resample_window, its tables kept per size
         return out
 
     fn = contiguous_out(fn)
@@ -58,20 +96,23 @@ def resize_crop_normalize_cpu(nodes, consumers):
 def resize_crop_cpu(nodes, consumers):
     """One pass: only the cropped pixels are resampled, straight into `out`."""
     from nicoffload.ops._imgkern import Scratch, contiguous_out, fill_border, warm_inputs
-    from nicoffload.ops._resample import resample_window
+    from nicoffload.ops._resample import lut_mode, resample
 
     resize, crop = nodes
-    antialias = resize.params["antialias"]
+    lut, mode = lut_mode(None, False)
     scratch = Scratch()
+    geometry = _Geometry(resize, crop)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         h, w, c = x.shape
-        oh, ow = output_size(resize.params, h, w)
-        (ch, cw), window, offset, inner = _crop_geometry(crop, oh, ow)
+        (ch, cw), _, (dy, dx), inner, pads, head = geometry(h, w)
         if out is None:
             out = scratch.get("out", (ch, cw, c))
-        fill_border(out, np.zeros(c, np.uint8), *inner, False)
-        resample_window(x, (oh, ow), window, antialias, out, offset)
+        if pads:
+            fill_border(out, np.zeros(c, np.uint8), *inner, False)
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        resample(x, *head, lut, out, dy, dx, mode)  # resample_window, its tables kept per size
         return out
 
     fn = contiguous_out(fn)
@@ -91,14 +132,16 @@ def crop_normalize_cpu(nodes, consumers):
     norm = Normalizer(norm_node.params, in_dtype)
     pad = norm.pad_value()
     scratch = Scratch()
+    geometry = _Geometry(None, crop)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         h, w, c = x.shape
-        (ch, cw), window, offset, inner = _crop_geometry(crop, h, w)
+        (ch, cw), window, offset, inner, pads, _ = geometry(h, w)
         if out is None:
             out = scratch.get("out", norm.shape(ch, cw, c), norm.dtype)
         dst = out.view(np.uint16) if out.dtype == np.float16 else out
-        fill_border(dst, pad, *inner, norm.chw)
+        if pads:
+            fill_border(dst, pad, *inner, norm.chw)
         norm.apply(x, window, out, offset, scratch)
         return out
 
