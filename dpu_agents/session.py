@@ -369,7 +369,7 @@ class Session:
 
     def _run(self, job: _Rows) -> None:
         """Run rows of the job's batch until none is left; the rows' stamps, the batch's
-        count and the metrics are updated once, at the end."""
+        count, the stage's step times and the metrics are updated once, at the end."""
         stage = self.built.stage
         batch = job.batch
         slot = batch.slot
@@ -378,12 +378,12 @@ class Session:
         failed: dict[int, tuple[str, str]] = {}
         stamped: dict[str, list[int]] = {k: [] for k in slot.stamps.rows}
         seconds: list[float] = []
-        clock = time.perf_counter
-        done = 0
+        tally = stage.tally()
+        process, clock = stage.process, time.perf_counter
         for row, values in job.left:
             t0 = clock()
             try:
-                written = stage.process(values, {k: a[row] for k, a in arrays})
+                written = process(values, {k: a[row] for k, a in arrays}, tally)
                 for k, a in arrays:
                     if k in values:  # else unstamped: the row is sent as failed (`_send`)
                         if k not in written:
@@ -401,8 +401,8 @@ class Session:
             finally:
                 values.clear()  # its inputs and decoded images go now, not with the batch
             seconds.append(clock() - t0)
-            done += 1
         try:
+            stage.add(tally)
             stamps = slot.stamps.rows
             for k, got in stamped.items():
                 if got:
@@ -413,7 +413,7 @@ class Session:
             for reason, _ in failed.values():
                 self.metrics.error(reason)
         finally:  # whatever happened, the rows are done: the forwarder must not wait for ever
-            batch.finish_rows(done, failed)
+            batch.finish_rows(len(seconds), failed)
 
     def _forwarder(self) -> None:
         while (batch := self._formed.get()) is not _END:

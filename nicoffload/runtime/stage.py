@@ -99,6 +99,16 @@ class StepTime:
     calls: int
 
 
+class StepTally:
+    """Step costs being counted by one caller (a worker's rows of a batch) before they are
+    added to the stage's `times()` at once (`Stage.add`): one lock for many items."""
+
+    __slots__ = ("calls", "cpu_ns", "wall_ns")
+
+    def __init__(self, n: int) -> None:
+        self.cpu_ns, self.wall_ns, self.calls = [0] * n, [0] * n, [0] * n
+
+
 class Stage:
     """A StagePlan made runnable: `process(values, dests)` runs one item through it, and
     `times()` says what its steps have cost per item so far (summed over every worker)."""
@@ -108,50 +118,60 @@ class Stage:
         nodes = [pipeline.node(n) for n in plan.nodes]
         self.steps = bind_steps(pipeline, nodes, plan.kind, keep)
         self._lock = threading.Lock()
-        self._cpu_ns = [0] * len(self.steps)
-        self._wall_ns = [0] * len(self.steps)
-        self._calls = [0] * len(self.steps)
+        self._total = StepTally(len(self.steps))
 
     def times(self) -> dict[str, StepTime]:
         """Per step, the mean cost of the calls made so far (zeros before the first)."""
+        t = self._total
         with self._lock:
             return {
                 st.name: StepTime(cpu / 1e6 / n, wall / 1e6 / n, n) if n else StepTime(0.0, 0.0, 0)
-                for st, cpu, wall, n in zip(
-                    self.steps, self._cpu_ns, self._wall_ns, self._calls, strict=True
-                )
+                for st, cpu, wall, n in zip(self.steps, t.cpu_ns, t.wall_ns, t.calls, strict=True)
             }
 
+    def tally(self) -> StepTally:
+        """A fresh count for `process(..., tally=)`, added to `times()` by `add`."""
+        return StepTally(len(self.steps))
+
+    def add(self, tally: StepTally) -> None:
+        t = self._total
+        with self._lock:
+            for i in range(len(self.steps)):
+                t.cpu_ns[i] += tally.cpu_ns[i]
+                t.wall_ns[i] += tally.wall_ns[i]
+                t.calls[i] += tally.calls[i]
+
     def process(
-        self,
-        values: dict[str, Any],
-        dests: Mapping[str, Any],
-        step_ns: list[int] | None = None,
-        step_n: list[int] | None = None,
+        self, values: dict[str, Any], dests: Mapping[str, Any], tally: StepTally | None = None
     ) -> list[str]:
         """Run every step on one item; outputs with a destination are written straight into it.
         Returns the keys of `dests` it wrote (the caller stamps those rows as written).
 
         `values` maps value keys to inputs and receives the produced values. Each call's time
-        is added to `times()`, and also to `step_ns[i]` (wall ns) and `step_n[i]` (calls) when
-        the caller passes them. ItemError propagates.
+        is added to `times()`: at once, or to `tally` when one is given (the caller then `add`s
+        it, once for many items). ItemError propagates.
         """
-        n = len(self.steps)
-        cpu, wall, calls = [0] * n, [0] * n, [0] * n
+        own = tally is None
+        t = self.tally() if own else tally
+        cpu, wall, calls = t.cpu_ns, t.wall_ns, t.calls
+        clock, thread_clock = time.perf_counter_ns, time.thread_time_ns
         written: list[str] = []
         try:
             for i, step in enumerate(self.steps):
                 args = [values[k] for k in step.reads]
-                targets = [dests.get(k) for k in step.writes]
-                direct = all(t is not None for t in targets)
-                out = (targets[0] if len(targets) == 1 else tuple(targets)) if direct else None
-                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                if len(step.writes) == 1:
+                    out = dests.get(step.writes[0])
+                    targets: tuple[Any, ...] = (out,)
+                else:
+                    targets = tuple(dests.get(k) for k in step.writes)
+                    out = targets if all(d is not None for d in targets) else None
+                t0, c0 = clock(), thread_clock()
                 try:
                     result = step.fn(*args, out=out)
                 finally:
-                    cpu[i] = time.thread_time_ns() - c0
-                    wall[i] = time.perf_counter_ns() - t0
-                    calls[i] = 1
+                    cpu[i] += thread_clock() - c0
+                    wall[i] += clock() - t0
+                    calls[i] += 1
                 results = (result,) if len(step.writes) == 1 else result
                 for key, value, target in zip(step.writes, results, targets, strict=True):
                     if target is not None:
@@ -160,15 +180,8 @@ class Stage:
                         written.append(key)
                     values[key] = value
         finally:
-            with self._lock:
-                for i in range(n):
-                    self._cpu_ns[i] += cpu[i]
-                    self._wall_ns[i] += wall[i]
-                    self._calls[i] += calls[i]
-            if step_ns is not None and step_n is not None:
-                for i in range(n):
-                    step_ns[i] += wall[i]
-                    step_n[i] += calls[i]
+            if own:
+                self.add(t)
         return written
 
 
