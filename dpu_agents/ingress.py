@@ -24,7 +24,7 @@ from dpu_agents.protocol import (
     split_request,
 )
 from dpu_agents.session import Item, Session
-from dpu_agents.stageinputs import StageInput, check_values
+from dpu_agents.stageinputs import StageInput, check_kinds, check_tensors, tensor_inputs
 from nicoffload.errors import AgentError, FrameError
 from nicoffload.transport.frame import DType, Header, decode_meta, encode_meta
 
@@ -127,7 +127,14 @@ class Ingress:
         most = self.account.most(budget.DECODE)
         cost = session.decode_cost
         inputs = session.built.inputs
+        tensors = tensor_inputs(inputs)
         draining = self.agent.draining
+        shared = ""  # the items' keys and kinds are the frame's meta: checked once, on one
+        if every:
+            try:
+                check_kinds(inputs, every[0])
+            except ValueError as exc:
+                shared = str(exc)
         items = []
         for i, new in enumerate(fresh):
             if not new:
@@ -137,7 +144,9 @@ class Ingress:
             if every is not None:
                 values = every[i]
                 try:
-                    check_values(inputs, values)
+                    if shared:
+                        raise ValueError(shared)
+                    check_tensors(tensors, values)
                     decode = cost(values)
                     if decode > most:  # no wait could fit it: _over says why
                         why = _over(self.account, budget.DECODE, decode)

@@ -78,6 +78,13 @@ def stage_inputs(
 def check_values(inputs: Mapping[str, StageInput], values: Mapping[str, Any]) -> None:
     """ValueError (the item's `bad_request`) unless `values` holds exactly the stage's inputs,
     each of its kind; a tensor of its spec's dtype and rank, its static dims, within bounds."""
+    check_kinds(inputs, values)
+    check_tensors(tensor_inputs(inputs), values)
+
+
+def check_kinds(inputs: Mapping[str, StageInput], values: Mapping[str, Any]) -> None:
+    """The part of `check_values` a REQUEST frame's items share (their keys and kinds come
+    from the frame's meta): checked on one item, it holds for every item of the frame."""
     if set(values) != set(inputs):
         raise ValueError(f"inputs {sorted(values)}, the stage reads {sorted(inputs)}")
     for key, want in inputs.items():
@@ -85,8 +92,17 @@ def check_values(inputs: Mapping[str, StageInput], values: Mapping[str, Any]) ->
         got = "text" if isinstance(v, str) else "tensor" if isinstance(v, np.ndarray) else "bytes"
         if got != want.kind:
             raise ValueError(f"input {key!r} must be {want.kind} ({want.spec}), got {got}")
-        if got == "tensor":
-            _check_tensor(want, v)
+
+
+def tensor_inputs(inputs: Mapping[str, StageInput]) -> tuple[StageInput, ...]:
+    return tuple(i for i in inputs.values() if i.kind == "tensor")
+
+
+def check_tensors(tensors: tuple[StageInput, ...], values: Mapping[str, Any]) -> None:
+    """The per-item rest of `check_values`, once `check_kinds` held: each tensor's dtype,
+    rank, static dims and bounds (`tensors`: `tensor_inputs` of the stage)."""
+    for want in tensors:
+        _check_tensor(want, values[want.key])
 
 
 def _check_tensor(want: StageInput, v: np.ndarray) -> None:
