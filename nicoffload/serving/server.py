@@ -19,7 +19,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -156,12 +156,10 @@ class Server:
             why = "draining (shutting down)" if self.draining else "the pipeline has stopped"
             return _error(503, f"server not ready: {why}")
         try:
-            req, items = await self._read(request)
+            req, items, timeout_us = await self._read(request)
         except RequestError as exc:
             return _error(exc.status, exc.message)
-        deadline = None
-        if (t := req.timeout_us) is not None:
-            deadline = arrived + t / 1e6
+        deadline = None if timeout_us is None else arrived + timeout_us / 1e6
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
 
@@ -187,7 +185,10 @@ class Server:
         body, headers = kserve.infer_response(self.config.model_name, req, outcome.outputs, params)
         return web.Response(body=body, headers=headers)
 
-    async def _read(self, request: web.Request) -> tuple[kserve.InferRequest, list[dict[str, Any]]]:
+    async def _read(
+        self, request: web.Request
+    ) -> tuple[kserve.InferRequest, list[dict[str, Any]], int | None]:
+        """The request read, parsed and checked: it, its items and its timeout (us)."""
         limit = self.config.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
             raise RequestError(
@@ -214,9 +215,9 @@ class Server:
                     f"{TIMEOUT_HEADER} must be a whole number of microseconds"
                 ) from None
             req = _with_timeout(req, t)
-        req.timeout_us  # checked here, before the request is queued  # noqa: B018
+        timeout_us = req.timeout_us  # a bad one is refused here, before anything is queued
         kserve.check_outputs(req, self.output_names)
-        return req, kserve.items_of(req, self.pipeline)
+        return req, kserve.items_of(req, self.pipeline), timeout_us
 
     async def drain(self) -> None:
         """Stop taking requests (readiness off, 503) and wait until those in flight are
@@ -229,8 +230,6 @@ class Server:
 
 def _with_timeout(req: kserve.InferRequest, timeout_us: int) -> kserve.InferRequest:
     """The header's deadline, the tighter of the two when the request has a `timeout` too."""
-    from dataclasses import replace
-
     mine = req.timeout_us
     t = timeout_us if mine is None or (0 < timeout_us < mine) else mine
     return replace(req, parameters={**req.parameters, "timeout": t})
