@@ -33,15 +33,19 @@ SHIPPED_DEFAULT = {"cpu": "x86-server", "dpu": "bluefield3-arm", "gpu": "h100"}
 
 @dataclass(frozen=True)
 class KernelCost:
-    """ms per item of one kernel (one op, or a fused chain `a+b+c`) on one core: a + b * work."""
+    """ms per item of one kernel (one op, or a fused chain `a+b+c`) on one core:
+    a + b * work, + c * encoded bytes for a kernel whose op has that second feature
+    (`ops.OpDef.encoded`: a JPEG decoder's time grows with the file's bytes as well)."""
 
     a_ms: float
     b_ms: float
     unit: str  # pixels | bytes | tokens
-    points: tuple[tuple[float, float], ...] = ()  # (work, measured ms) the fit came from
+    # (work, measured ms) the fit came from; (work, measured ms, encoded bytes) with c_ms
+    points: tuple[tuple[float, ...], ...] = ()
+    c_ms: float = 0.0  # per encoded byte
 
-    def ms(self, work: float) -> float:
-        return self.a_ms + self.b_ms * work
+    def ms(self, work: float, encoded: float = 0.0) -> float:
+        return self.a_ms + self.b_ms * work + self.c_ms * encoded
 
 
 # The frame MAC the links' CPU figures were measured under (`transport.integrity`: GMAC since
@@ -74,6 +78,11 @@ class Profile:
     # the host runtime's own CPU per item outside the kernels (batching, queues, row status,
     # handing batches out), measured through a real Session (`profiling.measure_runtime`)
     runtime_us_per_item: float | None = None
+    # the DPU agent's own CPU per item outside its kernels and its transfers (parsing requests,
+    # batching, row status, forwarding), measured through a real agent on these cores
+    # (`profiling.measure_agent_runtime`); the planner takes it as the agent process's serial
+    # work (one interpreter) besides its share of the cores
+    agent_us_per_item: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
         key = chain if isinstance(chain, str) else "+".join(chain)
@@ -92,6 +101,12 @@ class Profile:
                 k: {
                     "a_ms": float(f"{c.a_ms:.5g}"),
                     "b_ms": float(f"{c.b_ms:.5g}"),
+                    # fitted with the second feature (points of 3), even where it came out 0
+                    **(
+                        {"c_ms_per_byte": float(f"{c.c_ms:.5g}")}
+                        if c.c_ms or any(len(p) == 3 for p in c.points)
+                        else {}
+                    ),
                     "unit": c.unit,
                     "points": [list(p) for p in c.points],
                 }
@@ -112,8 +127,17 @@ class Profile:
                 for t, c in sorted(self.links.items())
             },
             **(
-                {"runtime": {"host_us_per_item": self.runtime_us_per_item}}
-                if self.runtime_us_per_item is not None
+                {
+                    "runtime": {
+                        k: v
+                        for k, v in (
+                            ("host_us_per_item", self.runtime_us_per_item),
+                            ("agent_us_per_item", self.agent_us_per_item),
+                        )
+                        if v is not None
+                    }
+                }
+                if self.runtime_us_per_item is not None or self.agent_us_per_item is not None
                 else {}
             ),
         }
@@ -155,12 +179,18 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
         if not isinstance(body, dict):
             raise ProfileError(f"kernel '{key}' must be a mapping", mark)
         where = f"kernel '{key}'"
-        points = tuple((float(w), float(t)) for w, t in body.get("points", ()))
+        try:
+            points = tuple(
+                tuple(float(x) for x in p) for p in body.get("points", ()) if len(p) in (2, 3)
+            )
+        except (TypeError, ValueError):
+            raise ProfileError(f"{where}: 'points' must be lists of 2 or 3 numbers", mark) from None
         kernels[key] = KernelCost(
             _number(body, "a_ms", where, source),
             _number(body, "b_ms", where, source),
             str(body.get("unit", "")),
             points,
+            _number(body, "c_ms_per_byte", where, source) if "c_ms_per_byte" in body else 0.0,
         )
     links = {}
     for name, body in (doc.get("links") or {}).items():
@@ -186,16 +216,29 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
         str(doc.get("method", "")),
         str(doc.get("basis", "")),
         source,
-        _runtime(doc.get("runtime"), source),
+        *_runtime(doc.get("runtime"), source),
     )
 
 
-def _runtime(body: Any, source: str) -> float | None:
+RUNTIME_KEYS = ("host_us_per_item", "agent_us_per_item")
+
+
+def _runtime(body: Any, source: str) -> tuple[float | None, float | None]:
+    """(host_us_per_item, agent_us_per_item) of a profile's `runtime`, each None if absent."""
     if body is None:
-        return None
-    if not isinstance(body, dict):
-        raise ProfileError("'runtime' must be a mapping", Mark(source, 1, 1))
-    return _number(body, "host_us_per_item", "runtime", source)
+        return None, None
+    if not isinstance(body, dict) or not body:
+        raise ProfileError(
+            "'runtime' must be a mapping with " + " or ".join(RUNTIME_KEYS), Mark(source, 1, 1)
+        )
+    unknown = sorted(set(body) - set(RUNTIME_KEYS))
+    if unknown:
+        raise ProfileError(
+            f"runtime: unknown key '{unknown[0]}' (known: {', '.join(RUNTIME_KEYS)})",
+            Mark(source, 1, 1),
+        )
+    host, agent = (_number(body, k, "runtime", source) if k in body else None for k in RUNTIME_KEYS)
+    return host, agent
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -258,6 +301,7 @@ def default_profile_for(kind: str) -> str:
 IMAGE_SIZES = ((188, 250), (375, 500), (564, 752), (750, 1000))
 TOKEN_LENGTHS = (32, 128, 512)
 PHOTOS = 3  # photos per size: JPEG decode time depends on the content
+DECODE_QUALITIES = (50, 97)  # besides 90: the decoder's points at other bytes per pixel
 _IMAGE_PIPELINE = """\
 name: profile-image
 inputs: {{image: {{kind: bytes, format: jpeg, typical: {{height: {h}, width: {w}, bytes: {nbytes}}}}}}}
@@ -277,7 +321,7 @@ outputs: {{ids: tok.input_ids, mask: tok.attention_mask}}
 """
 
 
-def _jpeg(h: int, w: int, seed: int) -> bytes:
+def _jpeg(h: int, w: int, seed: int, quality: int = 90) -> bytes:
     """A photo-like JPEG of h x w: a shipped sample photo rescaled, else smooth noise."""
     import numpy as np
     import simplejpeg
@@ -292,28 +336,37 @@ def _jpeg(h: int, w: int, seed: int) -> bytes:
         rng = np.random.default_rng(seed)
         small = rng.integers(0, 255, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
         img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
-    return simplejpeg.encode_jpeg(np.ascontiguousarray(img), quality=90, colorsubsampling="420")
+    return simplejpeg.encode_jpeg(
+        np.ascontiguousarray(img), quality=quality, colorsubsampling="420"
+    )
 
 
 def _pipelines(directory: Path, quick: bool):
-    """(pipeline, input values by name) for each size of the sweep."""
+    """(pipeline, input values by name, the ops to time or None for all) for each case of the
+    sweep: each size at quality 90 for every kernel, and again at other qualities for the
+    decoder alone (its time grows with the file's bytes as well as its pixels: the two are
+    fitted apart)."""
     from nicoffload.graph import load_pipeline
     from nicoffload.samples import sample_text
 
     sizes = IMAGE_SIZES[:3] if quick else IMAGE_SIZES
     for i, (h, w) in enumerate(sizes):
-        photos = [_jpeg(h, w, seed) for seed in range(PHOTOS)]
-        nbytes = sum(map(len, photos)) // len(photos)
-        short = int(h * 0.7)
-        text = _IMAGE_PIPELINE.format(h=h, w=w, nbytes=nbytes, short=short, crop=min(224, short))
-        path = directory / f"image{i}.yaml"
-        path.write_text(text)
-        yield load_pipeline(path), [{"image": data} for data in photos]
+        for quality in (90, *DECODE_QUALITIES):
+            photos = [_jpeg(h, w, seed, quality) for seed in range(PHOTOS)]
+            nbytes = sum(map(len, photos)) // len(photos)
+            short = int(h * 0.7)
+            text = _IMAGE_PIPELINE.format(
+                h=h, w=w, nbytes=nbytes, short=short, crop=min(224, short)
+            )
+            path = directory / f"image{i}q{quality}.yaml"
+            path.write_text(text)
+            only = None if quality == 90 else {"decode_image"}
+            yield load_pipeline(path), [{"image": data} for data in photos], only
     for i, n in enumerate(TOKEN_LENGTHS[:2] if quick else TOKEN_LENGTHS):
         words = " ".join(sample_text(j)[1] for j in range(n // 8 + 1))[: int(n * 4.5)]
         path = directory / f"text{i}.yaml"
         path.write_text(_TEXT_PIPELINE.format(chars=len(words), tokens=n))
-        yield load_pipeline(path), [{"text": words}]
+        yield load_pipeline(path), [{"text": words}], None
 
 
 def cores() -> int:
@@ -333,6 +386,22 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
         if b >= 0:
             return 0.0, float((w @ t) / (w @ w))
     return float(t.mean()), 0.0
+
+
+def fit_encoded(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Least-squares a + b * work + c * encoded bytes with a, b, c >= 0, from (work, ms,
+    encoded) points; (a, b, 0) from `fit` when the points cannot tell the two features apart."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    w, t, e = np.array(points, dtype=float).T
+    A = np.c_[np.ones_like(w), w, e]
+    if len(points) < 3 or np.linalg.matrix_rank(A) < 3:
+        return (*fit([(x, y) for x, y, _ in points]), 0.0)
+    scale = np.maximum(A.max(axis=0), 1e-12)  # columns of like size: nnls is better conditioned
+    coef, _ = nnls(A / scale, t)
+    a, b, c = coef / scale
+    return float(a), float(b), float(c)
 
 
 def _upstream(pipeline, kind: str, inputs: dict) -> dict:
@@ -374,7 +443,7 @@ def measure_kernels(
         cases = list(_pipelines(Path(tmp), quick))
         if progress:
             progress(total=len(cases) * len(kernels))
-        for pipeline, variants in cases:
+        for pipeline, variants, only in cases:
             nodes = list(pipeline.nodes)
             valuesets = [_upstream(pipeline, kind, inputs) for inputs in variants]
             ops_seq = [n.op for n in nodes]
@@ -383,7 +452,7 @@ def measure_kernels(
                     (i for i in range(len(nodes)) if tuple(ops_seq[i : i + len(k.ops)]) == k.ops),
                     None,
                 )
-                if at is not None:
+                if at is not None and (only is None or set(k.ops) <= only):
                     chain = nodes[at : at + len(k.ops)]
                     # built as the runtime builds it (`runtime.stage.bind_steps`)
                     fn = k.build(chain, ops.kernel_consumers(pipeline, chain[-1].name))
@@ -395,11 +464,23 @@ def measure_kernels(
                         ms = busy_ms(fn, args, specs, threads or cores(), budget_s)
                     key = "+".join(k.ops)
                     work = chain_work(pipeline, [n.name for n in chain])
-                    points.setdefault(key, []).append((work, ms))
-                    units[key] = chain[0].opdef().work_unit
+                    head = chain[0]
+                    encoded = head.opdef().encoded
+                    point = (work, ms)
+                    if encoded is not None:
+                        point += (encoded(head.params, head.in_specs, head.out_specs),)
+                    points.setdefault(key, []).append(point)
+                    units[key] = head.opdef().work_unit
                 if progress:
                     progress(advance=1)
-    return {key: KernelCost(*fit(p), units[key], tuple(p)) for key, p in points.items()}
+    out = {}
+    for key, p in points.items():
+        if len(p[0]) == 3:
+            a, b, c = fit_encoded(p)
+            out[key] = KernelCost(a, b, units[key], tuple(p), c)
+        else:
+            out[key] = KernelCost(*fit(p), units[key], tuple(p))
+    return out
 
 
 def measure_links(*, quick: bool = False) -> dict[str, LinkCost]:
@@ -460,9 +541,17 @@ def measure(
         "them, CPU of both ends fitted a + b * bytes per batch"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    runtime = None
+    runtime = agent = None
     if kind == "cpu":
         from nicoffload.profiling import measure_runtime
 
         runtime = measure_runtime(quick=quick)
-    return Profile(kind, kernels, links, machine_info(), date, method, "", "<measured>", runtime)
+    if kind in ("cpu", "dpu") and "tcp" in links:
+        # an agent on these cores (the local topology's emulated DPU, or on a DPU the agent
+        # itself), over tcp as it serves; None where the machine has one core
+        from nicoffload.profiling import measure_agent_runtime
+
+        agent = measure_agent_runtime(links["tcp"], quick=quick)
+    return Profile(
+        kind, kernels, links, machine_info(), date, method, "", "<measured>", runtime, agent
+    )

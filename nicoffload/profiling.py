@@ -162,3 +162,63 @@ def measure_runtime(*, quick: bool = False) -> float:
         cpu = time.process_time() - c0
     kernels_ms = sum(st["ms_per_item"] for st in stats.stages.values())
     return max(0.0, cpu * 1e6 / len(items) - kernels_ms * 1e3)
+
+
+def _agent_cpu_s() -> float:
+    """CPU seconds of this process's local agents (children running dpu_agents.server)."""
+    from pathlib import Path
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if b"dpu_agents.server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return total
+
+
+def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | None:
+    """The DPU agent's own CPU per item outside its kernels and its transfers, in us: the
+    runtime probe (the ResNet recipe over tiny JPEGs) all on an agent started on these cores,
+    as the local topology runs one, over tcp; the agent process's CPU over the calls minus
+    what its kernels took (the agent's own figure) and minus both its transfers as `link`
+    prices them, per item. None where no agent can run beside the host (one core)."""
+    import io
+    from pathlib import Path
+
+    from PIL import Image
+
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner.plan import single_device_plan
+    from nicoffload.runner import RunStats, prepare
+    from nicoffload.session import Session
+    from nicoffload.topology import local_topology
+
+    topology = local_topology(gpu=False)
+    if "dpu0" not in topology.ids:
+        return None
+    buf = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(buf, "JPEG")
+    pipeline = load_pipeline(Path(__file__).parent / "data" / "agent_probe.yaml")
+    items = [buf.getvalue()] * (512 if quick else 2048)
+    plan = single_device_plan(pipeline, "dpu0")
+    with Session(prepare(pipeline, plan, topology), workers=1) as session:
+        for _ in session.stream(items[:128]):  # warm: kernels compiled, rings touched
+            pass
+        stats = RunStats()
+        c0 = _agent_cpu_s()
+        batches = 0
+        for _ in session.stream(items, stats):
+            batches += 1
+        cpu = _agent_cpu_s() - c0
+    kernels_ms = sum(st["ms_per_item"] for st in stats.stages.values())
+    out_bytes = sum(s.typical_nbytes for s in pipeline.output_specs().values())
+    moved_us = link.cpu_ns_per_byte * (out_bytes + len(items[0])) * 1e-3 + 2 * (
+        link.cpu_us_per_batch or 0.0
+    ) * batches / len(items)
+    return max(0.0, cpu * 1e6 / len(items) - kernels_ms * 1e3 - moved_us)

@@ -76,7 +76,14 @@ def profile(
         return
     typer.echo(f"profile of {kind} ({result.machine.get('cpu', '?')}) written to {path}", err=True)
     for key, cost in sorted(result.kernels.items()):
-        typer.echo(f"  {key:<30} {cost.a_ms:8.4f} ms + {cost.b_ms:.3e} ms/{cost.unit.rstrip('s')}")
+        more = f" + {cost.c_ms:.3e} ms/encoded byte" if cost.c_ms else ""
+        typer.echo(
+            f"  {key:<30} {cost.a_ms:8.4f} ms + {cost.b_ms:.3e} ms/{cost.unit.rstrip('s')}{more}"
+        )
+    if result.runtime_us_per_item is not None:
+        typer.echo(f"  host runtime                   {result.runtime_us_per_item:8.1f} us/item")
+    if result.agent_us_per_item is not None:
+        typer.echo(f"  agent runtime                  {result.agent_us_per_item:8.1f} us/item")
     for name, link in sorted(result.links.items()):
         typer.echo(
             f"  link {name:<25} {link.latency_ms * 1e3:6.1f} us, {link.bandwidth * 8 / 1e9:6.1f} Gb/s, "

@@ -189,6 +189,9 @@ class OpDef:
     work_unit: str  # pixels | bytes | tokens
     doc: str = ""
     check: Callable[[dict[str, Any]], None] | None = None  # cross-parameter rules
+    # a second cost feature, for kernels whose time grows with the encoded bytes they read as
+    # well as with `work` (a JPEG's entropy decoding): bytes per item, priced by `c_ms`
+    encoded: Work | None = None
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
@@ -282,6 +285,7 @@ def op(
     work: Work,
     work_unit: str,
     check: Callable[[dict[str, Any]], None] | None = None,
+    encoded: Work | None = None,
 ) -> Callable[[Infer], Infer]:
     """Register an op; the decorated function is its output inference."""
 
@@ -298,6 +302,7 @@ def op(
             work_unit,
             (infer.__doc__ or "").strip(),
             check,
+            encoded,
         )
         return infer
 

@@ -171,6 +171,17 @@ def effective_work(pipeline: Pipeline) -> dict[str, float]:
     return {n.name: float(n.opdef().work(n.params, *specs[n.name])) for n in pipeline.nodes}
 
 
+def encoded_bytes(pipeline: Pipeline) -> dict[str, float]:
+    """Per node, its second cost feature (`ops.OpDef.encoded`: the encoded bytes a decoder
+    reads) at the typical sizes, 0 for ops without one."""
+    specs = effective_specs(pipeline)
+    out = {}
+    for n in pipeline.nodes:
+        feature = n.opdef().encoded
+        out[n.name] = 0.0 if feature is None else float(feature(n.params, *specs[n.name]))
+    return out
+
+
 def full_size_work(pipeline: Pipeline) -> dict[str, float]:
     """The work of each decoder that DCT-scales (`dct_decoded_hw`) when it decodes at full
     size instead, as its kernels on kinds outside `ops.decode.DCT_SCALING_KINDS` do."""
@@ -264,12 +275,15 @@ def _groups(
             window = tuple(range(i, j + 1))
             key = "+".join(pipeline.nodes[v].op for v in window)
             fused_work = chain_work(pipeline, [names[v] for v in window])
+            encoded = encoded_bytes(pipeline)[names[i]]
             delta = np.full(cost.shape[1], np.nan)
             for d, dev in enumerate(topology.devices):
                 entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
                 own = cost[list(window), d].sum()
                 if dev.kind == kind and np.isfinite(own):
-                    delta[d] = 0.0 if entry is None else max(0.0, entry.ms(fused_work)) - own
+                    delta[d] = (
+                        0.0 if entry is None else max(0.0, entry.ms(fused_work, encoded)) - own
+                    )
             s0, rows = fusion.table(found[kind], (i, j), cut)
             groups.append(Group(window, key, delta, s0, rows))
     return groups
@@ -285,10 +299,12 @@ def build_model(
     ids = topology.ids
     D = len(ids)
     rt = routes(topology, pipeline.batch_max_size)
+    _agent_ends(rt, topology, profiles)
     work_by_name = effective_work(pipeline)
     names = [n.name for n in pipeline.nodes]
     work = np.array([work_by_name[n] for n in names])
     full = full_size_work(pipeline)
+    encoded = encoded_bytes(pipeline)
     cost = np.full((len(names), D), np.inf)
     why: dict[tuple[int, int], str] = {}
     for v, node in enumerate(pipeline.nodes):
@@ -302,7 +318,8 @@ def build_model(
                 why[v, d] = f"the profile of '{dev.id}' has no entry for '{node.op}'"
             else:
                 scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
-                cost[v, d] = max(0.0, entry.ms(work[v] if scaled else full[node.name]))
+                pixels = work[v] if scaled else full[node.name]
+                cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name]))
     groups = _groups(pipeline, topology, profiles, catalog, cost)
     specs = effective_specs(pipeline)
     outputs = {str(r) for r in pipeline.outputs.values()}
@@ -354,6 +371,23 @@ def build_model(
         egress=ids.index(topology.egress),
         base=runtime_load(topology, profiles, len(rt.resources)),
     )
+
+
+def _agent_ends(rt: Routes, topology: Topology, profiles: Mapping[str, Profile]) -> None:
+    """The DPU agent's own CPU per item outside its kernels and transfers (its profile's
+    `agent_us_per_item`: parsing requests, batching, row status, forwarding), half on each
+    tensor that enters a DPU and half on each that leaves it: a DPU stage with one input and
+    one output pays it once. Devices whose profile lacks it pay nothing (as before)."""
+    ids = topology.ids
+    for d, dev in enumerate(topology.devices):
+        prof = profiles.get(dev.id)
+        if dev.kind != "dpu" or prof is None or not prof.agent_us_per_item:
+            continue
+        half = prof.agent_us_per_item * 1e-3 / 2
+        for other in range(len(ids)):
+            if other != d:
+                rt.fixed[d, other, d] += half
+                rt.fixed[other, d, d] += half
 
 
 def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:

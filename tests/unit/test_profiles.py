@@ -113,13 +113,15 @@ def test_fit_recovers_a_line_and_never_goes_negative() -> None:
 def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from nicoffload import ops, profiles
+    from nicoffload import ops, profiles, profiling
 
     if "cpu" not in ops.kernels_for("decode_image"):
         pytest.skip("the image kernels for cpu are not registered")
     monkeypatch.setattr(profiles, "IMAGE_SIZES", ((60, 80), (120, 160), (180, 240)))
     monkeypatch.setattr(profiles, "TOKEN_LENGTHS", (8, 16))
     monkeypatch.setattr(profiles, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
+    # the agent's runtime is measured through a real agent process: tests/integration
+    monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: 12.5)
     seen = []
     p = profiles.measure(
         "cpu", quick=True, progress=lambda total=None, advance=0: seen.append((total, advance))
@@ -128,9 +130,22 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     assert set(p.kernels) == expect
     assert all(len(c.points) >= 2 and c.a_ms >= 0 and c.b_ms >= 0 for c in p.kernels.values())
     assert p.method.startswith("measured:") and p.machine["cores"] >= 1 and p.date
-    assert seen[0][0] == 5 * len(expect) and sum(a for _, a in seen) == seen[0][0]
+    cases = 3 * (1 + len(profiles.DECODE_QUALITIES)) + 2  # sizes x qualities, and texts
+    assert seen[0][0] == cases * len(expect) and sum(a for _, a in seen) == seen[0][0]
+    # the decoder alone is timed at every quality, each point with its file's mean bytes
+    decode = p.kernels["decode_image"].points
+    assert len(decode) == 3 * (1 + len(profiles.DECODE_QUALITIES))
+    assert all(len(pt) == 3 and pt[2] > 0 for pt in decode)
+    assert all(len(pt) == 2 for pt in p.kernels["resize"].points)
+    assert len(p.kernels["resize"].points) == 3
+    assert p.agent_us_per_item == 12.5
     p.save(tmp_path / "cpu.json")
-    assert load_profile(tmp_path / "cpu.json").kernels.keys() == p.kernels.keys()
+    back = load_profile(tmp_path / "cpu.json")
+    assert back.kernels.keys() == p.kernels.keys()
+    assert back.agent_us_per_item == 12.5
+    assert back.kernels["decode_image"].c_ms == pytest.approx(
+        p.kernels["decode_image"].c_ms, rel=1e-4
+    )
 
 
 def test_profiling_keeps_every_worker_busy_each_item_in_its_own_buffers() -> None:
@@ -234,9 +249,9 @@ def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
         pytest.skip("the image kernels for cpu are not registered")
     monkeypatch.setattr(profiles, "IMAGE_SIZES", ((120, 160), (375, 500)))
     monkeypatch.setattr(profiles, "TOKEN_LENGTHS", ())
-    cases = list(profiles._pipelines(tmp_path, quick=False))
-    assert len(cases) == 2
-    for (pipeline, variants), (h, w) in zip(cases, profiles.IMAGE_SIZES, strict=True):
+    cases = [c for c in profiles._pipelines(tmp_path, quick=False) if c[2] is None]
+    assert len(cases) == 2  # the cases of every kernel (the decoder has more, at other qualities)
+    for (pipeline, variants, _), (h, w) in zip(cases, profiles.IMAGE_SIZES, strict=True):
         decoded = profiles._upstream(pipeline, "cpu", variants[0])["decode"]
         assert chain_work(pipeline, ["decode"]) == decoded.shape[0] * decoded.shape[1]
         assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin

@@ -1,0 +1,42 @@
+"""The DPU agent's own CPU per item (a profile's `runtime.agent_us_per_item`) is priced on the
+DPU for every item that crosses into or out of one of its stages: once for a stage with one
+input and one output, nothing for a placement that leaves the DPU idle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nicoffload.graph import load_pipeline
+from nicoffload.planner.cost import Catalog, build_model
+from nicoffload.planner.evaluate import evaluate
+from nicoffload.profiles import load_profile
+from nicoffload.topology import local_topology
+
+RESNET = load_pipeline("pipelines/resnet50.yaml")
+
+
+def _models(agent_us: float | None):
+    topology = local_topology(gpu=False)
+    if "dpu0" not in topology.ids:
+        pytest.skip("one core: the local topology has no emulated DPU")
+    profiles = {d.id: load_profile(d.profile) for d in topology.devices}
+    profiles["dpu0"] = dataclasses.replace(profiles["dpu0"], agent_us_per_item=agent_us)
+    return topology, build_model(RESNET, topology, profiles, Catalog.from_registry())
+
+
+def test_a_dpu_stage_pays_the_agents_own_cpu_once_per_item():
+    topology, with_agent = _models(80.0)
+    _, without = _models(None)
+    dpu, cpu = topology.ids.index("dpu0"), topology.ids.index("cpu")
+    names = list(with_agent.nodes)
+    split = np.array([[dpu if n != "norm" else cpu for n in names]])  # decode..crop on the DPU
+    host = np.array([[cpu] * len(names)])
+    a, b = evaluate(with_agent, split), evaluate(without, split)
+    assert a.work[0, dpu] - b.work[0, dpu] == pytest.approx(0.080)
+    assert a.work[0, cpu] == pytest.approx(b.work[0, cpu])  # the host pays none of it
+    assert a.host[0] == pytest.approx(b.host[0])
+    h1, h0 = evaluate(with_agent, host), evaluate(without, host)
+    np.testing.assert_allclose(h1.work, h0.work)  # the DPU idle: nothing
