@@ -2,12 +2,14 @@
 
 Plans `pipelines/resnet50.yaml` for this machine's local topology (host CPU + an emulated DPU:
 a local agent pinned to a core share), and for the host alone, after `nicoffload profile`; runs
-each plan on ImageNet-size JPEGs (the pipeline's `typical` size, which is what the planner
-prices) and compares each stage's predicted ms/item with the measured one: the CPU time its
+each plan on ImageNet-size JPEGs (the pipeline's `typical` size) at each JPEG quality of
+`--qualities` (the decoder's time grows with a file's bytes: each corpus is priced at its own
+mean bytes and size, as `plan --input` and `run` price a folder) and compares each stage's predicted ms/item with the measured one: the CPU time its
 kernels took per item (`run --json`'s `ms_per_item`, core-ms like the prediction), with the wall
 time of the same calls beside it. The load average before and after each run is recorded.
 
-    python bench/bench_prediction.py [--items 400] [--json] [--record bench/RESULTS_prediction.md]
+    python bench/bench_prediction.py [--items 400] [--qualities 50,90,97] [--json]
+                                     [--record bench/RESULTS_prediction.md]
 """
 
 from __future__ import annotations
@@ -26,18 +28,20 @@ import simplejpeg
 from PIL import Image
 
 import nicoffload
+from nicoffload.graph import with_typical
 from nicoffload.planner import plan_for
 from nicoffload.profiles import load_profile, measured_path
 from nicoffload.runner import RunStats, prepare
 from nicoffload.samples import sample_image
 from nicoffload.session import stream
+from nicoffload.sizes import typical_of
 from nicoffload.topology import local_topology
 
 PIPELINE = "pipelines/resnet50.yaml"
 TARGET_PCT = 25.0
 
 
-def typical_jpegs(n: int, h: int, w: int) -> list[bytes]:
+def typical_jpegs(n: int, h: int, w: int, quality: int = 90) -> list[bytes]:
     """Sample photos cropped to the pipeline's typical aspect and size (seeds unlike the profile's)."""
     out = []
     for i in range(n):
@@ -49,7 +53,7 @@ def typical_jpegs(n: int, h: int, w: int) -> list[bytes]:
         )
         top, left = (img.height - h) // 2, (img.width - w) // 2
         arr = np.ascontiguousarray(np.asarray(img)[top : top + h, left : left + w])
-        out.append(simplejpeg.encode_jpeg(arr, quality=90, colorsubsampling="420"))
+        out.append(simplejpeg.encode_jpeg(arr, quality=quality, colorsubsampling="420"))
     return out
 
 
@@ -72,17 +76,30 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=400)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--record", type=Path, default=None)
+    ap.add_argument(
+        "--qualities", default="90", help="JPEG qualities of the corpora, e.g. 50,90,97"
+    )
     args = ap.parse_args()
     if not measured_path("cpu").exists():
         subprocess.run([sys.executable, "-m", "nicoffload", "profile"], check=True)
-    pipeline = nicoffload.load_pipeline(PIPELINE)
-    spec = pipeline.inputs["image"]
-    images = typical_jpegs(args.items, spec.hint("height"), spec.hint("width"))
+    base = nicoffload.load_pipeline(PIPELINE)
+    spec = base.inputs["image"]
     rows, runs = [], {}
-    for label, topo in (
+    for quality in (int(q) for q in args.qualities.split(",")):
+        images = typical_jpegs(args.items, spec.hint("height"), spec.hint("width"), quality)
+        typical = typical_of(base, [(str(i), {"image": b}) for i, b in enumerate(images)])
+        pipeline = with_typical(base, typical)
+        kb = typical["image"]["bytes"] / 1e3
+        corpus(pipeline, images, f"q{quality}, {kb:.0f} KB", rows, runs)
+    emit(args, rows, runs)
+
+
+def corpus(pipeline, images: list[bytes], what: str, rows: list, runs: dict) -> None:
+    for where, topo in (
         ("local (host + emulated DPU)", local_topology(gpu=False)),
         ("host only", local_topology(emulate_dpu=False, gpu=False)),
     ):
+        label = f"{where}, {what}"
         nicoffload.run(
             pipeline, images[:32], plan=plan_for(pipeline, topo), topology=topo
         )  # warm-up
@@ -107,6 +124,9 @@ def main() -> None:
                     load,
                 )
             )
+
+
+def emit(args, rows: list, runs: dict) -> None:
     if args.json:
         print(json.dumps({"rows": rows, "runs": runs}, indent=2))
         return
@@ -129,8 +149,8 @@ def main() -> None:
             f"## Planner prediction vs measurement (`bench/bench_prediction.py`)\n\n"
             f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC\n"
             f"- machine: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, Python {platform.python_version()}\n"
-            f"- command: `python bench/bench_prediction.py --items {args.items} --record {args.record}`\n"
-            f"- items: {args.items} JPEGs of the pipeline's typical size; profile: {measured_path('cpu')} "
+            f"- command: `python bench/bench_prediction.py --items {args.items} --qualities {args.qualities} --record {args.record}`\n"
+            f"- items: {args.items} JPEGs of the pipeline's typical size per quality; profile: {measured_path('cpu')} "
             f"({prof.date}; {prof.method})\n\n"
         )
         args.record.write_text(head + table + "\n")
