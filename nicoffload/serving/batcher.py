@@ -45,6 +45,9 @@ class Outcome:
     outputs: dict[str, np.ndarray] | None = None
     error: str | None = None
     timings: dict[str, int] = field(default_factory=dict)
+    retry: bool = (
+        False  # refused for now (the queue is full): HTTP Retry-After, gRPC RESOURCE_EXHAUSTED
+    )
 
 
 @dataclass

@@ -123,7 +123,17 @@ def unpack_bytes(buf: bytes | memoryview, count: int, name: str) -> list[bytes]:
     return out
 
 
-def _shape(raw: Any, name: str) -> tuple[int, ...]:
+def check_datatype(name: str, datatype: Any) -> np.dtype | None:
+    """An input's datatype checked: its numpy dtype (None for BYTES)."""
+    if datatype not in DATATYPES:
+        raise RequestError(
+            f"input '{name}': unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})"
+        )
+    return DATATYPES[datatype]
+
+
+def check_shape(raw: Any, name: str) -> tuple[int, ...]:
+    """An input's shape checked: a list of whole numbers >= 0."""
     if not isinstance(raw, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
     ):
@@ -131,6 +141,23 @@ def _shape(raw: Any, name: str) -> tuple[int, ...]:
             f"input '{name}': 'shape' must be a list of whole numbers >= 0, got {raw!r}"
         )
     return tuple(raw)
+
+
+def decode_raw(
+    name: str, datatype: str, shape: tuple[int, ...], chunk: bytes | memoryview
+) -> Tensor:
+    """A tensor from its raw bytes (the binary extension's, or gRPC's raw_input_contents):
+    BYTES elements length-prefixed, any other datatype little-endian, exactly its shape's size."""
+    count = math.prod(shape)
+    dtype = DATATYPES[datatype]
+    if dtype is None:
+        return Tensor(name, datatype, shape, unpack_bytes(chunk, count, name))
+    if len(chunk) != count * dtype.itemsize:
+        raise RequestError(
+            f"input '{name}': {len(chunk)} bytes of data, not shape {list(shape)} of "
+            f"{datatype} ({count * dtype.itemsize} bytes)"
+        )
+    return Tensor(name, datatype, shape, np.frombuffer(chunk, dtype).reshape(shape))
 
 
 def _flat(data: Any) -> list[Any]:
@@ -151,17 +178,13 @@ def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
     if not isinstance(name, str):
         raise RequestError("an input lacks its 'name' (a string)")
     datatype = raw.get("datatype")
-    if datatype not in DATATYPES:
-        raise RequestError(
-            f"input '{name}': unknown datatype {datatype!r} (one of {', '.join(DATATYPES)})"
-        )
-    shape = _shape(raw.get("shape"), name)
+    dtype = check_datatype(name, datatype)
+    shape = check_shape(raw.get("shape"), name)
     count = math.prod(shape)
     params = raw.get("parameters") or {}
     if not isinstance(params, dict):
         raise RequestError(f"input '{name}': 'parameters' must be an object")
     size = params.get("binary_data_size")
-    dtype = DATATYPES[datatype]
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise RequestError(f"input '{name}': binary_data_size must be a whole number >= 0")
@@ -172,17 +195,7 @@ def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
             raise RequestError(
                 f"input '{name}': body truncated: binary_data_size {size}, {left} bytes left"
             )
-        chunk = binary[at : at + size]
-        if dtype is None:
-            data: Any = unpack_bytes(chunk, count, name)
-        else:
-            if size != count * dtype.itemsize:
-                raise RequestError(
-                    f"input '{name}': binary_data_size {size} is not shape {list(shape)} of "
-                    f"{datatype} ({count * dtype.itemsize} bytes)"
-                )
-            data = np.frombuffer(chunk, dtype).reshape(shape)
-        return Tensor(name, datatype, shape, data), at + size
+        return decode_raw(name, datatype, shape, binary[at : at + size]), at + size
     if "data" not in raw:
         raise RequestError(f"input '{name}': no 'data' and no binary_data_size")
     flat = _flat(raw["data"])
@@ -327,23 +340,36 @@ def check_outputs(req: InferRequest, available: list[str]) -> None:
             )
 
 
+def _elements(arr: np.ndarray) -> list[bytes]:
+    return [e if isinstance(e, bytes) else str(e).encode() for e in arr.reshape(-1).tolist()]
+
+
+def encode_raw(arr: np.ndarray) -> tuple[str, bytes]:
+    """An output's datatype and raw bytes (the binary extension's, or gRPC's
+    raw_output_contents): BYTES elements length-prefixed, any other datatype little-endian."""
+    datatype = datatype_of(arr.dtype)
+    if datatype == "BYTES":
+        return datatype, pack_bytes(_elements(arr))
+    return datatype, np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
+
+
 def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
     datatype = datatype_of(arr.dtype)
     out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-    if datatype == "BYTES":
-        elems = [e if isinstance(e, bytes) else str(e).encode() for e in arr.reshape(-1).tolist()]
-        if binary:
-            raw = pack_bytes(elems)
-            out["parameters"] = {"binary_data_size": len(raw)}
-            return out, raw
-        out["data"] = [e.decode("utf-8", "replace") for e in elems]
-        return out, None
     if binary:
-        raw = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
+        _, raw = encode_raw(arr)
         out["parameters"] = {"binary_data_size": len(raw)}
         return out, raw
-    out["data"] = arr.reshape(-1).tolist()
+    if datatype == "BYTES":
+        out["data"] = [e.decode("utf-8", "replace") for e in _elements(arr)]
+    else:
+        out["data"] = arr.reshape(-1).tolist()
     return out, None
+
+
+def answered_outputs(req: InferRequest, outputs: Mapping[str, Any]) -> list[str]:
+    """The outputs a response carries: those the request names, or all of them."""
+    return list(outputs) if req.outputs is None else list(req.outputs)
 
 
 def infer_response(
@@ -354,7 +380,7 @@ def infer_response(
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and its headers: the requested outputs (all, when none were named),
     each binary when the request asks (`binary_data_output`, or the output's `binary_data`)."""
-    names = list(outputs) if req.outputs is None else list(req.outputs)
+    names = answered_outputs(req, outputs)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
     if req.id is not None:
         doc["id"] = req.id

@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,17 +95,25 @@ class Server:
     def is_ready(self) -> bool:
         return not self.draining and not self.batcher.ended.is_set()
 
+    def refuse_token(self, given: str) -> str | None:
+        """Why an `Authorization` value (HTTP header or gRPC metadata) is refused, or None
+        when it carries the token (or no token is set)."""
+        token = self.config.token
+        if token is None:
+            return None
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), token.encode()
+        ):
+            return None
+        return f"{'missing' if not given else 'wrong'} bearer token"
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        token = self.config.token
-        if token is not None and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                value.strip().encode(), token.encode()
-            ):
-                why = "missing" if not given else "wrong"
-                return _error(401, f"{why} bearer token", **{"WWW-Authenticate": "Bearer"})
+        if request.path not in OPEN_PATHS:
+            why = self.refuse_token(request.headers.get("Authorization", ""))
+            if why is not None:
+                return _error(401, why, **{"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     async def live(self, request: web.Request) -> web.Response:
@@ -122,13 +131,15 @@ class Server:
             }
         )
 
-    def _model(self, request: web.Request) -> web.Response | None:
-        name = request.match_info["name"]
+    def unknown_model(self, name: str) -> str | None:
+        """The 404's reason when `name` is not this server's model, else None."""
         if name != self.config.model_name:
-            return _error(
-                404, f"unknown model '{name}' (this server has '{self.config.model_name}')"
-            )
+            return f"unknown model '{name}' (this server has '{self.config.model_name}')"
         return None
+
+    def _model(self, request: web.Request) -> web.Response | None:
+        why = self.unknown_model(request.match_info["name"])
+        return None if why is None else _error(404, why)
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         return self._model(request) or _json(self.metadata)
@@ -138,27 +149,39 @@ class Server:
             {"name": self.config.model_name, "ready": self.is_ready}, 200 if self.is_ready else 503
         )
 
-    async def infer(self, request: web.Request) -> web.StreamResponse:
-        arrived = time.perf_counter()
+    async def answer(
+        self, model: str, read: Callable[[], Awaitable[kserve.InferRequest]], arrived: float
+    ) -> tuple[kserve.InferRequest | None, Outcome]:
+        """One infer request, whatever the endpoint: the model and readiness checked, the
+        request read (`read`: parsed into an InferRequest, or RequestError), checked against
+        the pipeline, queued with its deadline and awaited. The request (None when it was not
+        read) and its Outcome; a refusal is an Outcome too (503 with `retry` when the queue is
+        full)."""
         self.in_flight += 1
         self._idle.clear()
         try:
-            return await self._infer(request, arrived)
+            return await self._answer(model, read, arrived)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _infer(self, request: web.Request, arrived: float) -> web.StreamResponse:
-        if (refused := self._model(request)) is not None:
-            return refused
+    async def _answer(
+        self, model: str, read: Callable[[], Awaitable[kserve.InferRequest]], arrived: float
+    ) -> tuple[kserve.InferRequest | None, Outcome]:
+        if (why := self.unknown_model(model)) is not None:
+            return None, Outcome(404, error=why)
         if not self.is_ready:
             why = "draining (shutting down)" if self.draining else "the pipeline has stopped"
-            return _error(503, f"server not ready: {why}")
+            return None, Outcome(503, error=f"server not ready: {why}")
+        req = None
         try:
-            req, items, timeout_us = await self._read(request)
+            req = await read()
+            timeout_us = req.timeout_us  # a bad one is refused here, before anything is queued
+            kserve.check_outputs(req, self.output_names)
+            items = kserve.items_of(req, self.pipeline)
         except RequestError as exc:
-            return _error(exc.status, exc.message)
+            return req, Outcome(exc.status, error=exc.message)
         deadline = None if timeout_us is None else arrived + timeout_us / 1e6
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
@@ -170,25 +193,34 @@ class Server:
         try:
             self.batcher.submit(pending)
         except QueueFull as exc:
-            return _error(503, str(exc), **{"Retry-After": "1"})
+            return req, Outcome(503, error=str(exc), retry=True)
         except RequestError as exc:
-            return _error(exc.status, exc.message)
+            return req, Outcome(exc.status, error=exc.message)
         except RuntimeError as exc:
-            return _error(503, f"server not ready: {exc}")
-        outcome = await done
+            return req, Outcome(503, error=f"server not ready: {exc}")
+        return req, await done
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        req, outcome = await self.answer(
+            request.match_info["name"], lambda: self._read(request), arrived
+        )
         params: dict[str, Any] = dict(outcome.timings)
-        if outcome.outputs is None:
-            doc: dict[str, Any] = {"error": outcome.error, "parameters": params}
-            if req.id is not None:
+        if req is None or outcome.outputs is None:
+            doc: dict[str, Any] = {"error": outcome.error}
+            if params:
+                doc["parameters"] = params
+            if req is not None and req.id is not None:
                 doc["id"] = req.id
-            return _json(doc, outcome.status)
+            response = _json(doc, outcome.status)
+            if outcome.retry:
+                response.headers["Retry-After"] = "1"
+            return response
         body, headers = kserve.infer_response(self.config.model_name, req, outcome.outputs, params)
         return web.Response(body=body, headers=headers)
 
-    async def _read(
-        self, request: web.Request
-    ) -> tuple[kserve.InferRequest, list[dict[str, Any]], int | None]:
-        """The request read, parsed and checked: it, its items and its timeout (us)."""
+    async def _read(self, request: web.Request) -> kserve.InferRequest:
+        """The HTTP request's body read and parsed, with its timeout header."""
         limit = self.config.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
             raise RequestError(
@@ -214,10 +246,8 @@ class Server:
                 raise RequestError(
                     f"{TIMEOUT_HEADER} must be a whole number of microseconds"
                 ) from None
-            req = _with_timeout(req, t)
-        timeout_us = req.timeout_us  # a bad one is refused here, before anything is queued
-        kserve.check_outputs(req, self.output_names)
-        return req, kserve.items_of(req, self.pipeline), timeout_us
+            req = with_timeout(req, t)
+        return req
 
     async def drain(self) -> None:
         """Stop taking requests (readiness off, 503) and wait until those in flight are
@@ -228,8 +258,9 @@ class Server:
         await self._idle.wait()
 
 
-def _with_timeout(req: kserve.InferRequest, timeout_us: int) -> kserve.InferRequest:
-    """The header's deadline, the tighter of the two when the request has a `timeout` too."""
+def with_timeout(req: kserve.InferRequest, timeout_us: int) -> kserve.InferRequest:
+    """A deadline from outside the request (a header, gRPC's deadline), the tighter of the two
+    when the request has a `timeout` too."""
     mine = req.timeout_us
     t = timeout_us if mine is None or (0 < timeout_us < mine) else mine
     return replace(req, parameters={**req.parameters, "timeout": t})

@@ -9,27 +9,21 @@ import concurrent.futures
 import http.client
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from serve_process import MODEL, NICOFFLOAD, PIPELINE, ROOT, TOKEN, Served, host_plan
 from tritonclient.utils import InferenceServerException
 
 import nicoffload
 from nicoffload.samples import sample_images
 
-ROOT = Path(__file__).resolve().parents[2]
-PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
-NICOFFLOAD = str(Path(sys.executable).parent / "nicoffload")
-MODEL = "resnet50-preprocess"
-TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # never handed to tritonclient: it adds to it
 
 
@@ -37,59 +31,9 @@ def auth() -> dict[str, str]:
     return dict(AUTH)
 
 
-CPU_ONLY = "name: cpu-only\ningress: cpu\ndevices:\n  cpu: {kind: cpu, cores: 2}\nlinks: []\n"
-
-
-class Served:
-    """A `nicoffload serve` process and the JSON line it printed when ready."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self.proc = subprocess.Popen(
-            [NICOFFLOAD, "serve", str(PIPELINE), "--listen", "127.0.0.1:0", *args],
-            stdout=subprocess.PIPE,
-            stderr=log.open("w"),
-            env={**os.environ, **(env or {})},
-            cwd=ROOT,
-        )
-        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            self.stop()
-            pytest.fail(f"serve did not become ready: {log.read_text()[-3000:]}")
-        self.doc = json.loads(line)
-        self.hostport = self.doc["url"].split("//")[1].split("/")[0]
-        self.client = httpclient.InferenceServerClient(self.hostport, network_timeout=120)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("serve")
-    (folder / "cpu.yaml").write_text(CPU_ONLY)
-    out = folder / "plan.json"
-    subprocess.run(
-        [
-            NICOFFLOAD,
-            "plan",
-            str(PIPELINE),
-            "--topology",
-            str(folder / "cpu.yaml"),
-            "--output",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    return host_plan(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
