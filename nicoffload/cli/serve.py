@@ -1,4 +1,5 @@
-"""`nicoffload serve`: open a Session and serve it over the Open Inference Protocol (HTTP)."""
+"""`nicoffload serve`: open a Session and serve it over the Open Inference Protocol (HTTP, and
+gRPC with --grpc)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from nicoffload.graph import Pipeline, load_pipeline
 log = logging.getLogger("nicoffload.serve")
 
 
-def parse_listen(text: str) -> tuple[str, int]:
+def parse_listen(text: str, option: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise UserError(f"--listen '{text}': give HOST:PORT (PORT 0 picks a free one)")
+        raise UserError(f"{option} '{text}': give HOST:PORT (PORT 0 picks a free one)")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -88,10 +89,27 @@ def model_outputs(model: Any, pipeline: Pipeline) -> list[dict[str, Any]]:
     return out
 
 
+def grpc_module() -> Any:
+    """nicoffload.serving.grpc_server, or the extra to install (grpcio, tritonclient[grpc])."""
+    try:
+        from nicoffload.serving import grpc_server
+    except ImportError as exc:
+        from nicoffload.errors import MissingDependency
+
+        raise MissingDependency(exc.name or "grpcio", "grpc", "serve --grpc") from exc
+    return grpc_server
+
+
 async def _serve(
-    server: Any, batcher: Any, host: str, port: int, ready_doc: dict[str, Any]
+    server: Any,
+    batcher: Any,
+    listen: tuple[str, int],
+    grpc_listen: tuple[str, int] | None,
+    ready_doc: dict[str, Any],
 ) -> None:
     from aiohttp import web
+
+    host, port = listen
 
     runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
     await runner.setup()
@@ -108,8 +126,17 @@ async def _serve(
         "url": f"{base}/v2/models/{name}/infer",
         "model": name,
         "health": f"{base}/v2/health/ready",
-        **ready_doc,
     }
+    grpc_server = None
+    if grpc_listen is not None:
+        ghost, gport = grpc_listen
+        try:
+            grpc_server, gbound = await grpc_module().start(server, ghost, gport)
+        except OSError as exc:
+            await runner.cleanup()
+            raise UserError(f"--grpc {ghost}:{gport}: {exc}") from None
+        doc["grpc"] = f"{ghost if ':' not in ghost else f'[{ghost}]'}:{gbound}"
+    doc.update(ready_doc)
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
     stop = asyncio.Event()
@@ -131,6 +158,8 @@ async def _serve(
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, previous)
+        if grpc_server is not None:
+            await grpc_server.stop(None)
         await runner.cleanup()
 
 
@@ -149,6 +178,12 @@ def serve(
         "items) -> dict of arrays; without it the preprocessed tensors are the response",
     ),
     listen: str = typer.Option("127.0.0.1:8000", "--listen", help="HOST:PORT (port 0: any free)"),
+    grpc_listen: str | None = typer.Option(
+        None,
+        "--grpc",
+        help="also serve KServe v2 gRPC (GRPCInferenceService) on HOST:PORT (port 0: any free); "
+        "needs the extra 'grpc': pip install 'nicoffload[grpc]'",
+    ),
     token_file: Path | None = typer.Option(
         None, "--token-file", help="clients must send `Authorization: Bearer <its content>`"
     ),
@@ -171,7 +206,9 @@ def serve(
 ) -> None:
     """Serve a pipeline over the Open Inference Protocol (KServe v2 REST with Triton's binary tensors), so Triton and KServe clients work: `POST /v2/models/NAME/infer` with one BYTES input per pipeline input, one element per item (a JPEG, a text).
 
-    When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `placement`, `predicted`); logs go to stderr.
+    With `--grpc HOST:PORT` the same model is also served over KServe v2 gRPC (Triton's gRPC clients work), same token (`authorization: Bearer` metadata), batcher, deadlines and drain; it needs `pip install 'nicoffload[grpc]'`.
+
+    When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `grpc` with --grpc, `placement`, `predicted`); logs go to stderr.
 
     SIGTERM drains: readiness goes false, new requests get 503, requests in flight are answered, then the process exits 0.
 
@@ -188,6 +225,9 @@ def serve(
     from nicoffload.session import Session
 
     host, port = parse_listen(listen)
+    grpc_at = parse_listen(grpc_listen, "--grpc") if grpc_listen is not None else None
+    if grpc_at is not None:
+        grpc_module()  # a missing extra is said before the Session opens
     token = read_token(token_file) if token_file is not None else None
     check_token_file(agent_token_file)
     pl = load_pipeline(pipeline)
@@ -211,7 +251,7 @@ def serve(
             "auth": "bearer" if token else "none",
         }
         try:
-            asyncio.run(_serve(server, batcher, host, port, ready))
+            asyncio.run(_serve(server, batcher, (host, port), grpc_at, ready))
         finally:  # the stream ends before the session closes (Ctrl-C too): close waits for it
             batcher.stop(timeout=30)
         if batcher.failure is not None:
