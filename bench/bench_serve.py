@@ -16,7 +16,8 @@ on the same machine, so it competes with the server for the cores.
     python bench/bench_serve.py [--unloaded-s 5] [--step-s 4] [--open-s 10] [--json] [--out DIR]
 
 `--out DIR` writes bench_serve.json and, per plan, the loadgen plots (PNG) of the closed-loop
-runs and of the open-loop ones (the sweep, then the 50% and 80% runs).
+runs and of the open-loop ones (the sweep's and the 50% and 80% runs, by offered load), the
+plan and serve's log.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def measure(plan: Plan, bodies: list, args: argparse.Namespace, folder: Path, sl
         cpu1 = s.cpu()
     finally:
         code = s.stop()
+    log = (folder / f"{slug}.log").read_text()
+    failovers = [line for line in log.splitlines() if "failover" in line]
     answered = sum(r["ok"] for r in opened) or 1
     p50 = unloaded["latency_ms"]["p50"]
     at50, at80 = (r["latency_ms"]["p99"] for r in opened) if opened else (None, None)
@@ -184,6 +187,7 @@ def measure(plan: Plan, bodies: list, args: argparse.Namespace, folder: Path, sl
         "serve_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / answered * 1e3, 3),
         "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
         "serve_exit": code,
+        "failover": failovers,  # serve's log lines: the runtime took the DPU stages back
         "closed": closed,
         "sweep": sweep,
         "open": opened,
@@ -221,11 +225,12 @@ def main() -> int:
         for name, plan in plans.items():
             print(f"{name} ...", file=sys.stderr, flush=True)
             slug = name.replace(" ", "-")
-            row = measure(plan, bodies, args, Path(tmp), slug)
+            row = measure(plan, bodies, args, args.out or Path(tmp), f"serve-{slug}")
             doc["plans"][name] = row
             if args.out:
                 lg.plot(row["closed"], str(args.out / f"serve-{slug}-closed.png"))
-                lg.plot(row["sweep"] + row["open"], str(args.out / f"serve-{slug}-open.png"))
+                opened = sorted(row["sweep"] + row["open"], key=lambda r: r["offered_per_s"])
+                lg.plot(opened, str(args.out / f"serve-{slug}-open.png"))
     doc["load_after"] = loadavg()
     if args.out:
         (args.out / "bench_serve.json").write_text(json.dumps(doc, indent=2) + "\n")
