@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from nicoffload.cli.serve import check_servable, load_model, model_outputs, parse_listen, read_token
-from nicoffload.errors import UserError
+from nicoffload.cli.serve import (
+    check_servable,
+    grpc_module,
+    load_model,
+    model_outputs,
+    parse_listen,
+    read_token,
+)
+from nicoffload.errors import MissingDependency, UserError
 from nicoffload.graph import load_pipeline
 
 
@@ -67,3 +75,15 @@ def test_a_pipeline_whose_output_varies_per_item_cannot_be_served(tmp_path):
     )
     with pytest.raises(UserError, match=r"output 'rgb' is .* varies per item"):
         check_servable(load_pipeline(p))
+
+
+def test_grpc_without_its_extra_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` raises ImportError
+    monkeypatch.delitem(sys.modules, "nicoffload.serving.grpc_server", raising=False)
+    with pytest.raises(MissingDependency, match=r"serve --grpc .*pip install 'nicoffload\[grpc\]'"):
+        grpc_module()
+
+
+def test_a_bad_grpc_address_names_the_option():
+    with pytest.raises(UserError, match="--grpc 'nohost'"):
+        parse_listen("nohost", "--grpc")
