@@ -148,9 +148,9 @@ def tiny(folder: Path, n: int) -> tuple[Path, list[bytes]]:
 
 
 def measure(name: str, args: argparse.Namespace, images: list[bytes], token: Path) -> dict:
-    from dpu_agents import auth
-    from dpu_agents.local import LocalAgent
-    from nicoffload.agent_client import AgentClient
+    from nicoffload.agent import auth
+    from nicoffload.agent.client import AgentClient
+    from nicoffload.agent.local import LocalAgent
     from nicoffload.graph import load_pipeline
     from nicoffload.planner.plan import Plan, stages_for
     from nicoffload.transport import listen
@@ -268,7 +268,7 @@ def main() -> None:
     from bench_prediction import typical_jpegs
 
     with tempfile.TemporaryDirectory() as tmp:
-        from dpu_agents import auth
+        from nicoffload.agent import auth
 
         if args.tiny:
             args.pipeline, images = tiny(Path(tmp), args.items)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dpu_agents.protocol import DEFAULT_MAX_REQUEST_BYTES
+from nicoffload.agent.protocol import DEFAULT_MAX_REQUEST_BYTES
 from nicoffload.errors import Mark, UserError
 from nicoffload.yamlmarks import did_you_mean
 

@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dpu_agents import auth, budget
+from dpu_agents import budget
 from dpu_agents.admission import Admission
 from dpu_agents.config import may_forward
 from dpu_agents.ingress import Ingress, check_requests_fit
 from dpu_agents.logs import log_event
-from dpu_agents.protocol import (
+from dpu_agents.session import Session
+from dpu_agents.stagebuild import build_stage
+from nicoffload.agent import auth
+from nicoffload.agent.protocol import (
     CALLS,
     MAX_LOAD_BYTES,
     PROTOCOL,
@@ -33,8 +36,6 @@ from dpu_agents.protocol import (
     WelcomeMeta,
     frame,
 )
-from dpu_agents.session import Session
-from dpu_agents.stagebuild import build_stage
 from nicoffload.errors import AgentError, FrameError, TransportError
 from nicoffload.transport import Sender, connect
 from nicoffload.transport.channel import Channel

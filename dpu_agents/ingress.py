@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dpu_agents import budget
-from dpu_agents.protocol import (
+from dpu_agents.session import Item, Session
+from dpu_agents.stageinputs import StageInput, check_kinds, check_tensors, tensor_inputs
+from nicoffload.agent.protocol import (
     BYTES,
     MAX_INPUTS,
     MAX_NDIM,
@@ -23,8 +25,6 @@ from dpu_agents.protocol import (
     request_sizes,
     split_request,
 )
-from dpu_agents.session import Item, Session
-from dpu_agents.stageinputs import StageInput, check_kinds, check_tensors, tensor_inputs
 from nicoffload.errors import AgentError, FrameError
 from nicoffload.transport.frame import DType, Header, decode_meta, encode_meta
 

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from dpu_agents import auth, logs
+from dpu_agents import logs
 from dpu_agents.admission import Admission
 from dpu_agents.config import AgentConfig, load_config, split_hostport
 from dpu_agents.connection import WRONG_TOKEN, Connection
@@ -32,6 +32,7 @@ from dpu_agents.logs import Tally, log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.metrics_http import MetricsServer
 from dpu_agents.session import WorkerPool
+from nicoffload.agent import auth
 from nicoffload.errors import NicoffloadError, UserError
 from nicoffload.transport.frame import HEADER_SIZE
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpu_agents.protocol import OutputMeta
 from dpu_agents.stageinputs import StageInput, stage_inputs
+from nicoffload.agent.protocol import OutputMeta
 from nicoffload.errors import AgentError, NicoffloadError, UserError
 from nicoffload.graph import Pipeline, TensorSpec, load_pipeline
 from nicoffload.p4.ids import pipeline_id, stage_ids

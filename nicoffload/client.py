@@ -1,7 +1,7 @@
 """`Client`: run a whole pipeline on a DPU agent and get the outputs back in item order.
 
 The outputs come back to a receiver this client listens on; the connection to the agent is an
-`AgentClient` (`nicoffload.agent_client`).
+`AgentClient` (`nicoffload.agent.client`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dpu_agents import auth
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import Pipeline, load_pipeline
 from nicoffload.inputs import values_items

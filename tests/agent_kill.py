@@ -40,7 +40,7 @@ def signal_local_agents_after(delay_s: float, sig: int = signal.SIGKILL) -> Iter
     it starts, loads its stage, or streams, whichever that moment falls in. Yields the pids."""
     import subprocess
 
-    from dpu_agents import local
+    from nicoffload.agent import local
 
     pids: list[int] = []
     timers: list[threading.Timer] = []

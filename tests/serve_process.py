@@ -4,12 +4,15 @@ starts in about a second)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,39 @@ class Served:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+@contextlib.contextmanager
+def gated_servers(plan: Path, folder: Path, *common: str) -> Iterator[Callable[..., Served]]:
+    """Start servers (`start(*args)`) whose model blocks until the test opens its gate
+    (tests/serve_models.py, in `folder`); on the way out the gate opens and they stop."""
+    started: list[Served] = []
+
+    def start(*args: str) -> Served:
+        s = Served(
+            ["--plan", str(plan), "--model", "serve_models:gated", *common, *args],
+            folder / "serve.log",
+            {"PYTHONPATH": str(ROOT / "tests"), "SERVE_GATE_DIR": str(folder)},
+        )
+        started.append(s)
+        return s
+
+    try:
+        yield start
+    finally:
+        (folder / "open").touch()
+        for s in started:
+            s.stop()
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll `condition` every 10 ms for up to a minute; fail the test naming `what`."""
+    for _ in range(6000):
+        if condition():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{what}: not within 60 s")
+
+
+def wait_for(path: Path) -> None:
+    wait_until(path.exists, f"{path} to appear")

@@ -186,8 +186,8 @@ def _start(
 ) -> _Agent:
     """`device`'s agent: an emulated one is started, in `folder`, with `tokenizers` as its
     tokenizer_dir (see `loadtext`). A missing or unreadable token is the user's mistake."""
-    from dpu_agents import auth
-    from dpu_agents.local import LocalAgent
+    from nicoffload.agent import auth
+    from nicoffload.agent.local import LocalAgent
 
     if not device.emulated:
         if token_file is None:
@@ -219,7 +219,7 @@ def _connect(stack: contextlib.ExitStack, agent: _Agent) -> Any:
     """An authenticated AgentClient of its own to `agent` (closed with `stack`). A token the
     agent refuses is the user's mistake (UserError); a real agent that does not answer is a
     DeviceError; an emulated one that dies on the way is `_Died` (failover)."""
-    from nicoffload.agent_client import AgentClient
+    from nicoffload.agent.client import AgentClient
 
     device = agent.device
     try:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the helpers test_split_run imports (a
 from test_split_run import PIPELINE, split_plan, topology_for  # noqa: E402
 
 import nicoffload  # noqa: E402
-from dpu_agents import auth  # noqa: E402
-from dpu_agents.local import LocalAgent  # noqa: E402
+from nicoffload.agent import auth  # noqa: E402
+from nicoffload.agent.local import LocalAgent  # noqa: E402
 from nicoffload.graph import Pipeline, load_pipeline  # noqa: E402
 from nicoffload.planner.plan import Plan, single_device_plan  # noqa: E402
 from nicoffload.samples import sample_images  # noqa: E402

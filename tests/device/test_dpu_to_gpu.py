@@ -13,8 +13,8 @@ import pytest
 from agent_kill import run_killing_at
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, single_device_plan, stages_for
 from nicoffload.samples import sample_images

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from dpu_agents.config import AgentConfig
 from dpu_agents.metrics_http import MetricsServer
 from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent.client import AgentClient
 from nicoffload.errors import AgentError, NicoffloadError
 
 TOKEN = b"0123456789abcdef0123456789abcdef"

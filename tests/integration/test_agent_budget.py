@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from test_agent_hardening import proc_status, served, start_agent, token_file  # noqa: F401
 
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
-from dpu_agents.protocol import BYTES, RequestMeta
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.local import LocalAgent
+from nicoffload.agent.protocol import BYTES, RequestMeta
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

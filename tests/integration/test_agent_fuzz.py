@@ -28,9 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
-from dpu_agents.protocol import (
+from dpu_agents.stagebuild import pipeline_from_text
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.local import LocalAgent
+from nicoffload.agent.protocol import (
     TEXT,
     AuthMeta,
     ChallengeMeta,
@@ -39,9 +41,7 @@ from dpu_agents.protocol import (
     RequestMeta,
     frame,
 )
-from dpu_agents.protocol import request_frames as request_frames_of
-from dpu_agents.stagebuild import pipeline_from_text
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent.protocol import request_frames as request_frames_of
 from nicoffload.errors import FrameError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

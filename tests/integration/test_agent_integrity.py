@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.local import LocalAgent
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

@@ -16,9 +16,9 @@ import pytest
 
 import nicoffload
 from dpu_agents.config import AgentConfig
-from dpu_agents.protocol import ChallengeMeta, HelloMeta, frame
 from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import ChallengeMeta, HelloMeta, frame
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from test_agent_hardening import BATCH, BERT, proc_status, scrape, served, start_agent
 
-from dpu_agents import auth
-from dpu_agents.protocol import AuthMeta, HelloMeta, frame
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import AuthMeta, HelloMeta, frame
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

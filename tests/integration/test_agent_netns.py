@@ -21,8 +21,8 @@ import pytest
 import simplejpeg
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]

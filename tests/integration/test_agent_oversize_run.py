@@ -10,8 +10,8 @@ import pytest
 from split_plans import SPLIT, agent_topology, plan_of
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan
 from nicoffload.samples import sample_images

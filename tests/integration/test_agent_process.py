@@ -16,9 +16,9 @@ import pytest
 import simplejpeg
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.local import LocalAgent
 from nicoffload.client import Client
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline

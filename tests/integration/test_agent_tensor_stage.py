@@ -17,7 +17,9 @@ import pytest
 import simplejpeg
 
 from dpu_agents.config import AgentConfig
-from dpu_agents.protocol import (
+from dpu_agents.server import Agent
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import (
     PROTOCOL,
     TENSOR,
     ChallengeMeta,
@@ -25,8 +27,6 @@ from dpu_agents.protocol import (
     RequestMeta,
     frame,
 )
-from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
 from nicoffload.errors import AgentError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, stages_for

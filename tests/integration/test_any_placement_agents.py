@@ -13,8 +13,8 @@ from equivalence import assert_same_run, corpus, pinned
 from split_plans import plan_of
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.planner.plan import single_device_plan
 from nicoffload.runner import RunStats
 from nicoffload.runtime.chain import Chain, fast_path

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from split_plans import agent_topology
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.errors import PlanError
 from nicoffload.planner import plan_for
 from nicoffload.planner.plan import single_device_plan

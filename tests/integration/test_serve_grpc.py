@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from serve_process import MODEL, PIPELINE, ROOT, TOKEN, Served, host_plan
+from serve_process import (
+    MODEL,
+    PIPELINE,
+    TOKEN,
+    Served,
+    gated_servers,
+    host_plan,
+    wait_for,
+    wait_until,
+)
 from tritonclient.utils import InferenceServerException
 
 import nicoffload
@@ -169,30 +177,9 @@ def test_a_request_past_its_deadline_is_deadline_exceeded(server, images):
 
 @pytest.fixture
 def gated(plan, tmp_path):
-    """A server whose model blocks until the test opens its gate (tests/serve_models.py)."""
-    started: list[Served] = []
-
-    def start(*args: str) -> Served:
-        s = Served(
-            ["--plan", str(plan), "--model", "serve_models:gated", "--grpc", "127.0.0.1:0", *args],
-            tmp_path / "serve.log",
-            {"PYTHONPATH": str(ROOT / "tests"), "SERVE_GATE_DIR": str(tmp_path)},
-        )
-        started.append(s)
-        return s
-
-    yield start
-    (tmp_path / "open").touch()
-    for s in started:
-        s.stop()
-
-
-def wait_for(path: Path) -> None:
-    for _ in range(6000):
-        if path.exists():
-            return
-        time.sleep(0.01)
-    pytest.fail(f"{path} never appeared")
+    """A server (gRPC too) whose model blocks until the test opens its gate."""
+    with gated_servers(plan, tmp_path, "--grpc", "127.0.0.1:0") as start:
+        yield start
 
 
 def test_past_max_queue_is_resource_exhausted_at_once(gated, tmp_path, images):
@@ -214,11 +201,8 @@ def test_a_draining_server_is_unavailable_and_answers_in_flight(gated, tmp_path,
         wait_for(tmp_path / "entered")
         s.proc.send_signal(signal.SIGTERM)
         other = client(s)
-        for _ in range(6000):  # readiness goes false once the signal is handled
-            if not other.is_server_ready():
-                break
-            time.sleep(0.01)
-        assert not other.is_server_ready()
+        # readiness goes false once the signal is handled
+        wait_until(lambda: not other.is_server_ready(), "readiness to go false")
         err = refused(other, [image_input(images[:1])], headers={})
         assert err.status() == "StatusCode.UNAVAILABLE" and "draining" in err.message()
         (tmp_path / "open").touch()

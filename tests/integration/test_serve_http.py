@@ -12,13 +12,22 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from serve_process import MODEL, NICOFFLOAD, PIPELINE, ROOT, TOKEN, Served, host_plan
+from serve_process import (
+    MODEL,
+    NICOFFLOAD,
+    PIPELINE,
+    TOKEN,
+    Served,
+    gated_servers,
+    host_plan,
+    wait_for,
+    wait_until,
+)
 from tritonclient.utils import InferenceServerException
 
 import nicoffload
@@ -242,27 +251,8 @@ def test_loadgen_open_and_closed_loop_against_serve(server, token_file, tmp_path
 @pytest.fixture
 def gated(plan, tmp_path):
     """A server whose model blocks until the test opens its gate (tests/serve_models.py)."""
-
-    def start(*args: str) -> Served:
-        return Served(
-            ["--plan", str(plan), "--model", "serve_models:gated", *args],
-            tmp_path / "serve.log",
-            {"PYTHONPATH": str(ROOT / "tests"), "SERVE_GATE_DIR": str(tmp_path)},
-        )
-
-    started: list[Served] = []
-    yield lambda *a: started.append(start(*a)) or started[-1]
-    (tmp_path / "open").touch()
-    for s in started:
-        s.stop()
-
-
-def wait_for(path: Path) -> None:
-    for _ in range(6000):
-        if path.exists():
-            return
-        time.sleep(0.01)
-    pytest.fail(f"{path} never appeared")
+    with gated_servers(plan, tmp_path) as start:
+        yield start
 
 
 def rows_run(folder: Path) -> int:
@@ -305,11 +295,8 @@ def test_sigterm_drains_answers_in_flight_refuses_new_and_exits_0(gated, tmp_pat
         wait_for(tmp_path / "entered")
         s.proc.send_signal(signal.SIGTERM)
         other = httpclient.InferenceServerClient(s.hostport)
-        for _ in range(6000):  # readiness goes false once the signal is handled
-            if not other.is_server_ready():
-                break
-            time.sleep(0.01)
-        assert not other.is_server_ready()
+        # readiness goes false once the signal is handled
+        wait_until(lambda: not other.is_server_ready(), "readiness to go false")
         err = refused(other, [image_input(images[:1])], headers={})
         assert err.status() == "503" and "draining" in err.message()
         (tmp_path / "open").touch()

@@ -11,8 +11,8 @@ import pytest
 from split_plans import SPLIT, agent_topology, plan_of
 
 import nicoffload
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, single_device_plan, stages_for
 from nicoffload.samples import sample_images
@@ -224,8 +224,8 @@ def test_a_local_agent_stops_when_the_host_that_started_it_is_killed(tmp_path):
 
     script = """
 import os, signal, sys
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 auth.write_token(sys.argv[1])
 agent = LocalAgent(sys.argv[1], cores=1)
 print(agent.pid, flush=True)

@@ -10,8 +10,8 @@ import pytest
 
 import nicoffload
 import nicoffload.transport
-from dpu_agents import auth
-from dpu_agents.local import LocalAgent
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, single_device_plan, stages_for
 from nicoffload.topology import Device, Link, Topology

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpu_agents import auth
 from dpu_agents.config import AgentConfig
-from dpu_agents.protocol import ChallengeMeta, LoadMeta, WelcomeMeta, frame
 from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import ChallengeMeta, LoadMeta, WelcomeMeta, frame
 from nicoffload.errors import AgentError, UserError
 from nicoffload.transport.channel import Channel
 from nicoffload.transport.frame import ErrorMeta, Kind, decode_meta

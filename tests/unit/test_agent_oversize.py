@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from dpu_agents.config import AgentConfig
-from dpu_agents.protocol import RequestMeta, request_frames, request_sizes
 from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import RequestMeta, request_frames, request_sizes
 from nicoffload.errors import FrameError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpu_agents.protocol import (
+from nicoffload.agent.protocol import (
     BYTES,
     MAX_VALUES,
     TEXT,

@@ -16,11 +16,11 @@ import pytest
 import simplejpeg
 
 import nicoffload
-from dpu_agents import auth
 from dpu_agents.config import AgentConfig
-from dpu_agents.protocol import AuthMeta, ChallengeMeta, WelcomeMeta, frame
 from dpu_agents.server import Agent
-from nicoffload.agent_client import AgentClient
+from nicoffload.agent import auth
+from nicoffload.agent.client import AgentClient
+from nicoffload.agent.protocol import AuthMeta, ChallengeMeta, WelcomeMeta, frame
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import single_device_plan, stages_for
@@ -313,7 +313,7 @@ def test_a_request_of_many_inputs_runs_and_too_many_are_refused_at_load(
 ) -> None:
     """80 inputs (40 cameras + 40 captions) were refused item by item ("80 inputs, at most
     64"); now they run, and a pipeline no request could carry is refused once, at LOAD."""
-    from dpu_agents.protocol import MAX_INPUTS
+    from nicoffload.agent.protocol import MAX_INPUTS
 
     many = _captions(tmp_path, 80)
     with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:

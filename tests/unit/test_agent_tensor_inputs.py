@@ -14,7 +14,9 @@ import pytest
 from dpu_agents.budget import decode_costs
 from dpu_agents.config import AgentConfig
 from dpu_agents.ingress import check_requests_fit
-from dpu_agents.protocol import (
+from dpu_agents.stagebuild import build_stage
+from dpu_agents.stageinputs import check_values
+from nicoffload.agent.protocol import (
     BYTES,
     MAX_NDIM,
     MAX_SHAPE_DIMS,
@@ -25,8 +27,6 @@ from dpu_agents.protocol import (
     request_sizes,
     split_request,
 )
-from dpu_agents.stagebuild import build_stage
-from dpu_agents.stageinputs import check_values
 from nicoffload.errors import AgentError, FrameError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.plan import Plan, stages_for

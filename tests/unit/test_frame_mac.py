@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from dpu_agents import auth
+from nicoffload.agent import auth
 from nicoffload.errors import FrameError
 from nicoffload.transport.channel import MAC_PIECE, Channel
 from nicoffload.transport.frame import (

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dpu_agents import auth
+from nicoffload.agent import auth
 from nicoffload.errors import UserError
 
 GOOD = b"0f3a9c1e7b5d2864a0c9e1f3b7d5a2c4"  # 32 bytes, 16 different characters

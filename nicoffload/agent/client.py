@@ -1,7 +1,7 @@
 """Talking to a DPU agent: `AgentClient`, one authenticated connection (load a stage, submit
 requests, stats, drain, liveness). `nicoffload.client.Client` runs a whole pipeline on one.
 
-The protocol is described in `dpu_agents.protocol`. An agent that closes, errs, or stays silent
+The protocol is described in `nicoffload.agent.protocol`. An agent that closes, errs, or stays silent
 past `timeout` is dead: every later call raises AgentError, and so does a blocked `submit`. After
 the handshake every frame carries a MAC: one that fails (altered, injected, replayed) is the
 agent dead too, never an answer. `forward_key` is the key to listen for the stage's outputs with.
@@ -17,8 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dpu_agents import auth
-from dpu_agents.protocol import (
+from nicoffload.agent import auth
+from nicoffload.agent.protocol import (
     PROTOCOL,
     AuthMeta,
     ChallengeMeta,
