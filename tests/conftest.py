@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# One protobuf implementation per process, chosen when protobuf is first imported: p4runtime's
+# generated modules load only under the pure-Python one (nicoffload/p4/_proto.py), while
+# tritonclient's gRPC classes load under either. The suite imports both, in whatever order the
+# tests run, so it asks for the one both accept before anything imports protobuf.
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 import pytest
 
