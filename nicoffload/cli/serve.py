@@ -182,7 +182,7 @@ def serve(
         None,
         "--grpc",
         help="also serve KServe v2 gRPC (GRPCInferenceService) on HOST:PORT (port 0: any free); "
-        "needs the extra 'grpc': pip install 'nicoffload[grpc]'",
+        "needs the extra 'grpc': pip install 'nicoffload\\[grpc]'",
     ),
     token_file: Path | None = typer.Option(
         None, "--token-file", help="clients must send `Authorization: Bearer <its content>`"
@@ -206,7 +206,7 @@ def serve(
 ) -> None:
     """Serve a pipeline over the Open Inference Protocol (KServe v2 REST with Triton's binary tensors), so Triton and KServe clients work: `POST /v2/models/NAME/infer` with one BYTES input per pipeline input, one element per item (a JPEG, a text).
 
-    With `--grpc HOST:PORT` the same model is also served over KServe v2 gRPC (Triton's gRPC clients work), same token (`authorization: Bearer` metadata), batcher, deadlines and drain; it needs `pip install 'nicoffload[grpc]'`.
+    With `--grpc HOST:PORT` the same model is also served over KServe v2 gRPC (Triton's gRPC clients work), same token (`authorization: Bearer` metadata), batcher, deadlines and drain; it needs `pip install 'nicoffload\\[grpc]'`.
 
     When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `grpc` with --grpc, `placement`, `predicted`); logs go to stderr.
 
