@@ -13,7 +13,13 @@ process and of its agent per answered request over the 50% and 80% runs. One ite
 ImageNet-size JPEG, bench_prediction.typical_jpegs) per request; the client (this process) runs
 on the same machine, so it competes with the server for the cores.
 
-    python bench/bench_serve.py [--unloaded-s 5] [--step-s 4] [--open-s 10] [--json] [--out DIR]
+    python bench/bench_serve.py [--unloaded-s 5] [--step-s 4] [--open-s 10] [--failover-s 60]
+                                [--json] [--out DIR]
+
+With `--failover-s S`, a plan with an agent then runs open loop at 80% of its saturation rate for
+S seconds with one SIGKILL of its agent a third of the way in: every request must be answered
+200 (nothing lost) with its own image's tensor, equal to the all-host run's (nothing doubled or
+crossed).
 
 `--out DIR` writes bench_serve.json and, per plan, the loadgen plots (PNG) of the closed-loop
 runs and of the open-loop ones (the sweep's and the 50% and 80% runs, by offered load), the
@@ -33,6 +39,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,7 @@ import nicoffload
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
 from nicoffload.serving import loadgen as lg
+from nicoffload.serving.kserve import HEADER_LENGTH
 from nicoffload.topology import local_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +139,53 @@ def load(url: str, bodies: list, seconds: float, rate: float | None = None, conc
     return doc
 
 
-def measure(plan: Plan, bodies: list, args: argparse.Namespace, folder: Path, slug: str) -> dict:
+async def _failover_load(
+    url: str, bodies: list, want: list[bytes], rate: float, seconds: float, agents: list[int]
+) -> dict[str, Any]:
+    """Open loop at `rate` for `seconds`, the agents killed (SIGKILL) a third of the way in;
+    each answer's tensor compared with its image's, from the all-host run."""
+    import aiohttp
+
+    async def one(session: Any, i: int) -> tuple[int, bool]:
+        body, headers = bodies[i % len(bodies)]
+        try:
+            async with session.post(url, data=body, headers=headers) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return resp.status, False
+                return 200, raw[int(resp.headers[HEADER_LENGTH]) :] == want[i % len(want)]
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return 0, False
+
+    kill_at = seconds / 3
+    timeout = aiohttp.ClientTimeout(total=max(60.0, seconds * 2))
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0, tasks, killed = time.perf_counter(), [], False
+        for i, at in enumerate(lg.arrivals(rate, seconds, seed=1)):
+            if (wait := t0 + float(at) - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            if not killed and at >= kill_at:
+                for a in agents:
+                    os.kill(a, signal.SIGKILL)
+                killed = True
+            tasks.append(asyncio.ensure_future(one(session, i)))
+        out = await asyncio.gather(*tasks)
+    by_status = Counter(status for status, _ in out)
+    return {
+        "offered_per_s": rate,
+        "duration_s": seconds,
+        "agents_killed_at_s": round(kill_at, 1) if killed else None,
+        "sent": len(out),
+        "ok": by_status[200],
+        "errors_by_status": {str(k): v for k, v in sorted(by_status.items()) if k != 200},
+        "wrong_tensor": sum(1 for status, good in out if status == 200 and not good),
+    }
+
+
+def measure(
+    plan: Plan, bodies: list, want: list[bytes], args: argparse.Namespace, folder: Path, slug: str
+) -> dict:
     load_before = loadavg()
     plan.save(folder / f"{slug}.json")
     s = Serve(folder / f"{slug}.json", folder / f"{slug}.log")
@@ -163,6 +218,15 @@ def measure(plan: Plan, bodies: list, args: argparse.Namespace, folder: Path, sl
             print(f"  open loop, {rate}/s ...", file=sys.stderr, flush=True)
             opened.append(load(url, bodies, args.open_s, rate=rate) | {"share": share})
         cpu1 = s.cpu()
+        failover_run = None
+        if args.failover_s and s.agents and saturation:
+            rate = round(saturation * 0.8, 1)
+            print(
+                f"  failover: {rate}/s for {args.failover_s:g} s ...", file=sys.stderr, flush=True
+            )
+            failover_run = asyncio.run(
+                _failover_load(url, bodies, want, rate, args.failover_s, s.agents)
+            )
     finally:
         code = s.stop()
     log = (folder / f"{slug}.log").read_text()
@@ -188,6 +252,7 @@ def measure(plan: Plan, bodies: list, args: argparse.Namespace, folder: Path, sl
         "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
         "serve_exit": code,
         "failover": failovers,  # serve's log lines: the runtime took the DPU stages back
+        "failover_run": failover_run,  # --failover-s: the agents killed under open-loop load
         "closed": closed,
         "sweep": sweep,
         "open": opened,
@@ -200,6 +265,13 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=4.0, help="each closed-loop concurrency")
     ap.add_argument("--open-s", type=float, default=10.0, help="each open-loop rate")
     ap.add_argument("--images", type=int, default=16)
+    ap.add_argument(
+        "--failover-s",
+        type=float,
+        default=0.0,
+        help="then, for a plan with an agent: open loop at 80%% of saturation for this long, the "
+        "agent killed (SIGKILL) a third of the way in; every answer's tensor checked (0: off)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--out", type=Path, help="write bench_serve.json and the plots here")
     args = ap.parse_args()
@@ -208,8 +280,11 @@ def main() -> int:
     hints = dict(pipeline.inputs["image"].hints)
     images = typical_jpegs(args.images, hints.get("height", 375), hints.get("width", 500))
     bodies = [lg.request_body("image", [b]) for b in images]
+    host = plan_placement(pipeline, {n.name: "cpu" for n in pipeline.nodes}, topology)
+    pixels = nicoffload.run(pipeline, images, plan=host).outputs["pixels"]
+    want = [pixels[i : i + 1].tobytes() for i in range(len(images))]
     plans = {
-        "host only": plan_placement(pipeline, {n.name: "cpu" for n in pipeline.nodes}, topology),
+        "host only": host,
         "planner": plan_for(pipeline, topology),
     }
     doc: dict[str, Any] = {
@@ -225,7 +300,7 @@ def main() -> int:
         for name, plan in plans.items():
             print(f"{name} ...", file=sys.stderr, flush=True)
             slug = name.replace(" ", "-")
-            row = measure(plan, bodies, args, args.out or Path(tmp), f"serve-{slug}")
+            row = measure(plan, bodies, want, args, args.out or Path(tmp), f"serve-{slug}")
             doc["plans"][name] = row
             if args.out:
                 lg.plot(row["closed"], str(args.out / f"serve-{slug}-closed.png"))
