@@ -153,7 +153,17 @@ def _input_spec(kind: str, fmt: str | None, typical: dict[str, int]) -> TensorSp
         )
     hints = [("kind", "bytes"), ("format", fmt or "any")]
     hints += [(k, v) for k, v in sorted(typical.items()) if k != "bytes"]
-    return TensorSpec("bytes", (Dim("nbytes", typical.get("bytes", 110_000)),), hints=tuple(hints))
+    nbytes = typical.get("bytes")
+    if nbytes is None:  # an image's size without its file's: a photo's bytes at that size
+        h, w = typical.get("height"), typical.get("width")
+        nbytes = max(1, round(h * w * JPEG_BYTES_PER_PIXEL)) if h and w else DEFAULT_BYTES
+    return TensorSpec("bytes", (Dim("nbytes", nbytes),), hints=tuple(hints))
+
+
+# A typical photo's JPEG at quality 90, 4:2:0: 110 KB at 500x375 (ImageNet's median size). What a
+# bytes input without `typical: bytes` is priced at: by its height x width when given, else this.
+DEFAULT_BYTES = 110_000
+JPEG_BYTES_PER_PIXEL = DEFAULT_BYTES / (500 * 375)
 
 
 def _resolve(text: str, mark: Mark, spec: PipelineSpec, known: dict[str, ops.OpDef | None]) -> Ref:

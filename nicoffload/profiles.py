@@ -8,6 +8,7 @@ BlueField's Arm cores) ship as documented estimates in `nicoffload/data/profiles
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,9 @@ from nicoffload.kerneltime import RING, busy_ms
 FORMAT = "nicoffload-profile"
 # 2: a measured CPU/DPU decode_image is fit at the work of the decode the kernel runs (see
 # STALE_DECODE). A version 1 profile is still read where that does not matter: estimates and
-# GPU profiles.
-VERSION = 2
+# GPU profiles. 3: a decoder's points may carry a third number (the file's bytes, for
+# `c_ms_per_byte`), and `runtime` may carry `agent_us_per_item`; versions 1 and 2 are still read.
+VERSION = 3
 STALE_DECODE = (
     "its decode_image points record each decode's work as a 6/8 DCT-scaled image (the planner's "
     "rule of its day) while the kernel decoded it at full size, so the planner, which prices "
@@ -80,8 +82,8 @@ class Profile:
     runtime_us_per_item: float | None = None
     # the DPU agent's own CPU per item outside its kernels and its transfers (parsing requests,
     # batching, row status, forwarding), measured through a real agent on these cores
-    # (`profiling.measure_agent_runtime`); the planner takes it as the agent process's serial
-    # work (one interpreter) besides its share of the cores
+    # (`profiling.measure_agent_runtime`); the planner prices it as CPU on the DPU's cores
+    # (planner.cost._agent_ends; not as one process's serial work: it is tens of us per item)
     agent_us_per_item: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
@@ -149,7 +151,12 @@ class Profile:
 
 def _number(doc: dict, key: str, where: str, source: str) -> float:
     value = doc.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ProfileError(
             f"{where}: '{key}' must be a number >= 0, got {value!r}", Mark(source, 1, 1)
         )
@@ -162,7 +169,7 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ProfileError(f'not a nicoffload profile (no "format": "{FORMAT}")', mark)
     version = doc.get("version")
-    if version not in (1, VERSION):
+    if version not in (1, 2, VERSION):
         raise ProfileError(f"profile version {version!r} is not {VERSION}; measure it again", mark)
     kind = doc.get("kind")
     if kind not in ("cpu", "dpu", "gpu"):
@@ -179,12 +186,21 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
         if not isinstance(body, dict):
             raise ProfileError(f"kernel '{key}' must be a mapping", mark)
         where = f"kernel '{key}'"
-        try:
-            points = tuple(
-                tuple(float(x) for x in p) for p in body.get("points", ()) if len(p) in (2, 3)
+        raw = body.get("points", [])
+        if not isinstance(raw, list) or not all(
+            isinstance(p, list)
+            and len(p) in (2, 3)
+            and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                for x in p
             )
-        except (TypeError, ValueError):
-            raise ProfileError(f"{where}: 'points' must be lists of 2 or 3 numbers", mark) from None
+            for p in raw
+        ):
+            raise ProfileError(
+                f"{where}: 'points' must be a list of [work, ms] or [work, ms, encoded bytes]",
+                mark,
+            )
+        points = tuple(tuple(float(x) for x in p) for p in raw)
         kernels[key] = KernelCost(
             _number(body, "a_ms", where, source),
             _number(body, "b_ms", where, source),

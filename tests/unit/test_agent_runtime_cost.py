@@ -18,8 +18,8 @@ from nicoffload.topology import local_topology
 RESNET = load_pipeline("pipelines/resnet50.yaml")
 
 
-def _models(agent_us: float | None):
-    topology = local_topology(gpu=False)
+def _models(agent_us: float | None, ingress: str = "cpu"):
+    topology = local_topology(gpu=False, ingress=ingress)
     if "dpu0" not in topology.ids:
         pytest.skip("one core: the local topology has no emulated DPU")
     profiles = {d.id: load_profile(d.profile) for d in topology.devices}
@@ -40,3 +40,14 @@ def test_a_dpu_stage_pays_the_agents_own_cpu_once_per_item():
     assert a.host[0] == pytest.approx(b.host[0])
     h1, h0 = evaluate(with_agent, host), evaluate(without, host)
     np.testing.assert_allclose(h1.work, h0.work)  # the DPU idle: nothing
+
+
+def test_a_dpu_that_receives_the_items_pays_it_in_full_whatever_the_placement():
+    topology, with_agent = _models(80.0, ingress="dpu0")
+    _, without = _models(None, ingress="dpu0")
+    dpu, cpu = topology.ids.index("dpu0"), topology.ids.index("cpu")
+    names = list(with_agent.nodes)
+    for place in ([dpu if n != "norm" else cpu for n in names], [cpu] * len(names)):
+        a, b = evaluate(with_agent, np.array([place])), evaluate(without, np.array([place]))
+        paid = (a.work[0, dpu] + with_agent.base[dpu]) - (b.work[0, dpu] + without.base[dpu])
+        assert paid == pytest.approx(0.080), place  # received, then sent on: once

@@ -83,3 +83,41 @@ def test_a_profile_keeps_the_per_byte_term_and_checks_it(tmp_path):
     doc["kernels"]["decode_image"]["c_ms_per_byte"] = -1
     with pytest.raises(ProfileError, match="c_ms_per_byte"):
         profile_from_json(doc)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("c_ms_per_byte", float("nan")),
+        ("a_ms", float("inf")),
+        ("points", {"a": 1}),
+        ("points", [[1.0]]),
+        ("points", [[1.0, 2.0, 3.0, 4.0]]),
+        ("points", [[1.0, "x"]]),
+    ],
+)
+def test_a_profile_with_a_value_that_is_no_cost_is_refused(field, value):
+    doc = Profile("cpu", {"decode_image": KernelCost(0.1, 3e-6, "pixels")}).to_json()
+    doc["kernels"]["decode_image"][field] = value
+    with pytest.raises(ProfileError, match=field if field != "points" else "points"):
+        profile_from_json(doc)
+
+
+def test_an_agent_runtime_that_is_no_number_is_refused():
+    doc = Profile("cpu", {}, agent_us_per_item=10.0).to_json()
+    doc["runtime"]["agent_us_per_item"] = float("nan")
+    with pytest.raises(ProfileError, match="agent_us_per_item"):
+        profile_from_json(doc)
+
+
+def test_an_image_declared_without_its_bytes_is_priced_at_a_photos_bytes_for_its_size(tmp_path):
+    text = (
+        Path(RESNET)
+        .read_text()
+        .replace(
+            "typical: {height: 375, width: 500, bytes: 110000}", "typical: {height: 32, width: 32}"
+        )
+    )
+    (tmp_path / "tiny.yaml").write_text(text)
+    tiny = load_pipeline(tmp_path / "tiny.yaml")
+    assert encoded_bytes(tiny)["decode"] == round(32 * 32 * 110_000 / (500 * 375))

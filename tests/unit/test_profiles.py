@@ -233,7 +233,7 @@ def test_a_profile_is_written_at_the_version_that_prices_decode_as_it_runs(tmp_p
 
     p = Profile("cpu", {"decode_image": KernelCost(0.1, 5e-6, "pixels")}, method="measured: x")
     p.save(tmp_path / "p.json")
-    assert json.loads((tmp_path / "p.json").read_text())["version"] == profiles.VERSION == 2
+    assert json.loads((tmp_path / "p.json").read_text())["version"] == profiles.VERSION == 3
     assert load_profile(tmp_path / "p.json").kernel("decode_image") is not None
 
 
