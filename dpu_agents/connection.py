@@ -67,6 +67,7 @@ class Connection(Ingress):
         self.ch = Channel(sock, f"client {peer}", io_timeout=self.cfg.io_timeout_s)
         self.session: Session | None = None
         self.forward_key: bytes | None = None  # set by the handshake (auth.session_keys)
+        self.secured = False  # the handshake is done and every frame from here on has a MAC
         self.budget = budget.shared(agent)
         self.account = self.budget.client()
         self._late = False  # its payload did not arrive within payload_timeout_s
@@ -139,8 +140,10 @@ class Connection(Ingress):
 
     def announce_drain(self, why: str) -> None:
         """An unsolicited DRAIN (request id 0) to an authenticated client: the agent takes no
-        new requests from now on, and finishes those it has; the client stops submitting."""
-        self.ch.post(frame(Kind.DRAIN, {"reason": why}, request_id=0), _DONTWAIT)
+        new requests from now on, and finishes those it has; the client stops submitting.
+        Only once the handshake is done: a client still in it sees the connection close."""
+        if self.secured:
+            self.ch.post(frame(Kind.DRAIN, {"reason": why}, request_id=0), _DONTWAIT)
 
     def stop(self) -> None:
         """Wake the reader: it sees EOF (or stops waiting for memory) and finishes the session."""
@@ -190,6 +193,7 @@ class Connection(Ingress):
         keys = auth.session_keys(self.agent.token, nonce, answer.nonce, self.ch.transcript())
         self.ch.secure(send_key=keys.agent, recv_key=keys.client)  # every later frame: a MAC
         self.forward_key = keys.forward
+        self.secured = True
         log_event(log, logging.INFO, "authenticated", peer=self.peer, client=hello.client)
 
     def _first(self, kind: Kind, type_: Any, deadline: float) -> Any:
