@@ -20,7 +20,13 @@ from nicoffload.planner.physical import leaving, spec_of_key
 from nicoffload.planner.plan import StagePlan
 from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.parts import Control, HostPart
-from nicoffload.runtime.remote import POLL_S, RERUN_WHY, RemoteFront, split_rerun
+from nicoffload.runtime.remote import (
+    POLL_S,
+    RERUN_WHY,
+    RemoteFront,
+    failover_reason,
+    split_rerun,
+)
 from nicoffload.runtime.work import Work, stage_reads
 
 DEPTH = 4  # batches a DPU stage keeps at its agent at once (the receiver ring's slots)
@@ -57,10 +63,11 @@ class DpuPart:
         as_host = StagePlan(f"{plan.name}@host", "cpu", "cpu", plan.nodes)
         self.fallback = HostPart(pipeline, as_host, pool, workers)
         self.failed_over: str | None = None
+        self._failover: tuple[str, bool] | None = None  # (failed_over, the agent's end)
         self.taken_back = 0
 
     def begin_call(self) -> None:
-        self.failed_over, self.taken_back = None, 0
+        self.failed_over, self._failover, self.taken_back = None, None, 0
         self.front.begin_call()
 
     def run(self, works: Iterator[Work], ctl: Control) -> Iterator[Work]:
@@ -191,7 +198,8 @@ class _Flight:
 
     def on_host(self, tasks: list[_Task], why: str) -> None:
         part = self.part
-        part.failed_over = part.failed_over or why
+        part._failover = failover_reason(part._failover, why, self.front)
+        part.failed_over = part._failover[0]
         part.taken_back += len(tasks)
         by_work: dict[int, tuple[Work, list[int]]] = {}
         for t in tasks:

@@ -34,7 +34,13 @@ from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
 from nicoffload.runtime.delivered import delivers_outputs, place_rows
 from nicoffload.runtime.gpu_direct import GpuDirect
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
-from nicoffload.runtime.remote import RERUN_WHY, RemoteFront, leaving, split_rerun
+from nicoffload.runtime.remote import (
+    RERUN_WHY,
+    RemoteFront,
+    failover_reason,
+    leaving,
+    split_rerun,
+)
 from nicoffload.runtime.stage import Stage, StepTime, split_stages
 
 __all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
@@ -139,11 +145,12 @@ class Executor:
         if self.gpu is not None and lead is None and not stages and not self.out_refs:
             self.direct = GpuDirect(self.gpu, self.gpu_refs, self.batch_size, self.max_wait_s)
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
+        self._failover: tuple[str, bool] | None = None  # (failed_over, the agent's end)
         self.taken_back = 0  # how many items ran the DPU stage here instead
 
     def begin_call(self) -> None:
         """A new call of a session: its failover and transfer figures start afresh."""
-        self.failed_over, self.taken_back = None, 0
+        self.failed_over, self._failover, self.taken_back = None, None, 0
         if self.front is not None:
             self.front.begin_call()
 
@@ -262,7 +269,8 @@ class Executor:
 
         def on_host(tasks: list[_Task], why: str) -> None:
             """Run `tasks`' DPU stage here instead: the agent died, drains, or skipped them."""
-            self.failed_over = self.failed_over or why
+            self._failover = failover_reason(self._failover, why, front)
+            self.failed_over = self._failover[0]
             self.taken_back += len(tasks)
             for task in tasks:
                 task.route = self.fallback

@@ -326,3 +326,16 @@ def failed_of(meta: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
     for reason, detail, rows in meta.get("failed_rows", ()):
         failed.update((ids[r], (reason, detail)) for r in rows if 0 <= r < len(ids))
     return failed
+
+
+def failover_reason(
+    said: tuple[str, bool] | None, why: str, front: RemoteFront | None
+) -> tuple[str, bool]:
+    """What a call reports as its failover, and whether it is the agent's end: the first
+    reason any item's DPU stage ran on the host, unless the agent then stopped taking items
+    (it died or drains), whose reason replaces an earlier one of single items (too large for
+    the transfer, say), once."""
+    gone = front is not None and not front.accepting
+    if said is None or (gone and not said[1]):
+        return why, gone
+    return said
