@@ -170,11 +170,12 @@ class Batcher:
 
     def _deliver(self, batch: Batch) -> None:
         t_out = time.perf_counter()
-        if self.failed_over is None:  # the runtime took the DPU stages back: said once
-            why = getattr(self.session.executor, "failed_over", None)
-            if why:
-                self.failed_over = why
-                log.warning("failover: the DPU stages' items now run on the host: %s", why)
+        # items whose DPU stage ran on the host: said when the reason changes (a single item
+        # too large for the transfer, then the agent's end: runtime.remote.failover_reason)
+        why = getattr(self.session.executor, "failed_over", None)
+        if why and why != self.failed_over:
+            self.failed_over = why
+            log.warning("failover: items of the DPU stages ran on the host: %s", why)
         if any(hasattr(v, "is_cuda") for v in batch.outputs.values()):
             batch = batch.numpy()
         keep = np.flatnonzero(batch.ok)

@@ -14,6 +14,7 @@ memory, trace, logging) are not served: UNIMPLEMENTED, grpcio's default.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -87,7 +88,9 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         remaining = context.time_remaining()
 
         async def read() -> kserve_pb.InferRequest:
-            req = kserve_pb.infer_request(request)
+            req = await asyncio.get_running_loop().run_in_executor(
+                None, kserve_pb.infer_request, request, self.server.batcher.max_queue
+            )
             if remaining is not None:  # the call's deadline, counted from its arrival
                 req = with_timeout(req, max(1, int(remaining * 1e6)))
             return req

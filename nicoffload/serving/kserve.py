@@ -44,6 +44,14 @@ DATATYPES: dict[str, np.dtype | None] = {
 _BY_KIND = {(dt.kind, dt.itemsize): name for name, dt in DATATYPES.items() if dt is not None}
 
 
+# A JSON tensor (a request's `data`, or a response's output not asked for as binary) is at most
+# this many elements: encoding and parsing them is Python holding the GIL (about 1 s per
+# million numbers here), which would stall every other request and the agent's heartbeats.
+MAX_JSON_ELEMENTS = 1 << 18
+MAX_DIM = (1 << 31) - 1  # a shape's dimension
+MAX_TIMEOUT_US = 86_400 * 10**6  # a day
+
+
 class RequestError(Exception):
     """A request the server refuses: `status` (4xx) and the reason, sent as `{"error": ...}`."""
 
@@ -77,9 +85,10 @@ class InferRequest:
         t = self.parameters.get("timeout")
         if t is None:
             return None
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TIMEOUT_US:
             raise RequestError(
-                f"parameter 'timeout' must be a whole number of microseconds >= 0, got {t!r}"
+                "parameter 'timeout' must be a whole number of microseconds from 0 to "
+                f"{MAX_TIMEOUT_US} (a day), got {str(t)[:40]!r}"
             )
         return t or None  # 0: no timeout, as in Triton
 
@@ -134,13 +143,29 @@ def check_datatype(name: str, datatype: Any) -> np.dtype | None:
 
 def check_shape(raw: Any, name: str) -> tuple[int, ...]:
     """An input's shape checked: a list of whole numbers >= 0."""
-    if not isinstance(raw, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw
+    if (
+        not isinstance(raw, list)
+        or len(raw) > 32
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in raw
+        )
     ):
         raise RequestError(
-            f"input '{name}': 'shape' must be a list of whole numbers >= 0, got {raw!r}"
+            f"input '{name}': 'shape' must be a list of at most 32 whole numbers from 0 to "
+            f"{MAX_DIM}, got {str(raw)[:80]}"
         )
     return tuple(raw)
+
+
+def check_count(name: str, count: int, max_items: int | None, dtype: np.dtype | None) -> None:
+    """A BYTES input of more elements than the server takes items (--max-queue) is refused
+    before any element is read (413)."""
+    if dtype is None and max_items is not None and count > max_items:
+        raise RequestError(
+            f"input '{name}': {count} elements, more items than the server queues "
+            f"(--max-queue {max_items})",
+            413,
+        )
 
 
 def decode_raw(
@@ -170,7 +195,9 @@ def _flat(data: Any) -> list[Any]:
     return out
 
 
-def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
+def _tensor(
+    raw: Any, binary: memoryview | None, at: int, max_items: int | None = None
+) -> tuple[Tensor, int]:
     """One input tensor from its JSON object (and its binary data at `at`); the new offset."""
     if not isinstance(raw, dict):
         raise RequestError("each entry of 'inputs' must be an object")
@@ -181,6 +208,7 @@ def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
     dtype = check_datatype(name, datatype)
     shape = check_shape(raw.get("shape"), name)
     count = math.prod(shape)
+    check_count(name, count, max_items, dtype)
     params = raw.get("parameters") or {}
     if not isinstance(params, dict):
         raise RequestError(f"input '{name}': 'parameters' must be an object")
@@ -198,7 +226,16 @@ def _tensor(raw: Any, binary: memoryview | None, at: int) -> tuple[Tensor, int]:
         return decode_raw(name, datatype, shape, binary[at : at + size]), at + size
     if "data" not in raw:
         raise RequestError(f"input '{name}': no 'data' and no binary_data_size")
-    flat = _flat(raw["data"])
+    if count > MAX_JSON_ELEMENTS:
+        raise RequestError(
+            f"input '{name}': {count} elements as JSON 'data', more than {MAX_JSON_ELEMENTS}: "
+            "send it as binary data (binary_data_size)",
+            413,
+        )
+    try:
+        flat = _flat(raw["data"])
+    except RecursionError:
+        raise RequestError(f"input '{name}': 'data' nested too deep") from None
     if len(flat) != count:
         raise RequestError(
             f"input '{name}': {len(flat)} elements in 'data' for shape {list(shape)} ({count})"
@@ -230,9 +267,12 @@ def _requested(raw: Any) -> dict[str, bool] | None:
     return out
 
 
-def parse_infer(body: bytes, content_type: str, header_length: str | None) -> InferRequest:
+def parse_infer(
+    body: bytes, content_type: str, header_length: str | None, max_items: int | None = None
+) -> InferRequest:
     """An infer request from its body, its Content-Type and its Inference-Header-Content-Length
-    (None: the body is JSON alone)."""
+    (None: the body is JSON alone); a BYTES input of more than `max_items` elements is refused
+    before its elements are read."""
     # no Content-Type at all is taken: Triton's own clients send none
     ctype = content_type.split(";")[0].strip().lower()
     if header_length is None:
@@ -263,6 +303,8 @@ def parse_infer(body: bytes, content_type: str, header_length: str | None) -> In
         doc = json.loads(head)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"the request is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("the request's JSON is nested too deep") from None
     if not isinstance(doc, dict):
         raise RequestError("the request must be a JSON object")
     rid = doc.get("id")
@@ -277,7 +319,7 @@ def parse_infer(body: bytes, content_type: str, header_length: str | None) -> In
     inputs: dict[str, Tensor] = {}
     at = 0
     for raw in raw_inputs:
-        t, at = _tensor(raw, binary, at)
+        t, at = _tensor(raw, binary, at, max_items)
         if t.name in inputs:
             raise RequestError(f"input '{t.name}' given twice")
         inputs[t.name] = t
@@ -338,6 +380,26 @@ def check_outputs(req: InferRequest, available: list[str]) -> None:
             raise RequestError(
                 f"unknown output '{name}' (the model's outputs: {', '.join(available)})"
             )
+
+
+def check_json_outputs(req: InferRequest, metadata: list[dict[str, Any]], items: int) -> None:
+    """A request whose JSON (not binary) outputs would pass MAX_JSON_ELEMENTS is refused
+    before it runs: it should ask for them as binary data."""
+    total = 0
+    for o in metadata:
+        name = o["name"]
+        if req.outputs is not None and name not in req.outputs:
+            continue
+        binary = req.binary_output or bool(req.outputs and req.outputs.get(name))
+        if not binary:
+            total += items * math.prod(abs(d) for d in o["shape"][1:])
+    if total > MAX_JSON_ELEMENTS:
+        raise RequestError(
+            f"the response would be {total} elements of JSON, more than {MAX_JSON_ELEMENTS}: "
+            "ask for binary outputs ('binary_data_output' in the request's parameters, or "
+            "'binary_data' in an output's)",
+            413,
+        )
 
 
 def _elements(arr: np.ndarray) -> list[bytes]:

@@ -67,8 +67,9 @@ def _contents(t: Any, datatype: str, shape: tuple[int, ...]) -> Tensor:
     return Tensor(t.name, datatype, shape, arr)
 
 
-def infer_request(msg: Any) -> InferRequest:
-    """A ModelInferRequest as the codec's InferRequest; outputs are always raw (binary)."""
+def infer_request(msg: Any, max_items: int | None = None) -> InferRequest:
+    """A ModelInferRequest as the codec's InferRequest; outputs are always raw (binary). A
+    BYTES input of more than `max_items` elements is refused before its elements are read."""
     raw = list(msg.raw_input_contents)
     if raw and len(raw) != len(msg.inputs):
         raise RequestError(
@@ -80,8 +81,9 @@ def infer_request(msg: Any) -> InferRequest:
     for i, t in enumerate(msg.inputs):
         if not t.name:
             raise RequestError("an input lacks its 'name'")
-        kserve.check_datatype(t.name, t.datatype)
+        dtype = kserve.check_datatype(t.name, t.datatype)
         shape = kserve.check_shape(list(t.shape), t.name)
+        kserve.check_count(t.name, math.prod(shape), max_items, dtype)
         if raw:
             tensor = kserve.decode_raw(t.name, t.datatype, shape, raw[i])
         else:

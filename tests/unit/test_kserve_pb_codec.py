@@ -67,7 +67,7 @@ def test_contents_instead_of_raw_data_are_taken():
     [
         (lambda m: m.inputs.add(name="x", datatype="FP16", shape=[1]), "raw_input_contents only"),
         (lambda m: m.inputs.add(name="x", datatype="INT7", shape=[1]), "unknown datatype"),
-        (lambda m: m.inputs.add(name="x", datatype="BYTES", shape=[-1]), "whole numbers >= 0"),
+        (lambda m: m.inputs.add(name="x", datatype="BYTES", shape=[-1]), "whole numbers from 0"),
         (lambda m: m.inputs.add(name="x", datatype="BYTES", shape=[2]), "0 elements"),
         (lambda m: None, "non-empty"),
     ],
