@@ -51,8 +51,8 @@ from bench_prediction import loadavg, typical_jpegs
 import nicoffload
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
-from nicoffload.serving import loadgen as lg
-from nicoffload.serving.kserve import HEADER_LENGTH
+from nicoffload.serve import loadgen as lg
+from nicoffload.serve.kserve import HEADER_LENGTH
 from nicoffload.topology import local_topology
 
 ROOT = Path(__file__).resolve().parents[1]

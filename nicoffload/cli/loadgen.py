@@ -121,7 +121,7 @@ def loadgen(
     Open loop: `--rate 100` (or `--rate 50,100,200` to sweep); a request's latency counts from when it was due. Closed loop: `--concurrency 4` without --rate.
     """
     from nicoffload.cli.serve import read_token
-    from nicoffload.serving import loadgen as lg
+    from nicoffload.serve import loadgen as lg
 
     if rate is None and concurrency is None:
         raise UserError("give --rate R (open loop) or --concurrency C (closed loop)")

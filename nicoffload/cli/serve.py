@@ -68,7 +68,7 @@ def check_servable(pipeline: Pipeline) -> None:
 
 def model_outputs(model: Any, pipeline: Pipeline) -> list[dict[str, Any]]:
     """The model's outputs as metadata, from one warm-up call on an all-zeros row."""
-    from nicoffload.serving.kserve import datatype_of
+    from nicoffload.serve.kserve import datatype_of
 
     row = {k: np.zeros((1, *s.shape), s.dtype) for k, s in pipeline.output_specs().items()}
     try:
@@ -90,9 +90,9 @@ def model_outputs(model: Any, pipeline: Pipeline) -> list[dict[str, Any]]:
 
 
 def grpc_module() -> Any:
-    """nicoffload.serving.grpc_server, or the extra to install (grpcio, tritonclient[grpc])."""
+    """nicoffload.serve.grpc_server, or the extra to install (grpcio, tritonclient[grpc])."""
     try:
-        from nicoffload.serving import grpc_server
+        from nicoffload.serve import grpc_server
     except ImportError as exc:
         from nicoffload.errors import MissingDependency
 
@@ -220,8 +220,8 @@ def serve(
     )
     logging.getLogger("nicoffload").setLevel(logging.INFO)
     from nicoffload.runner import prepare
-    from nicoffload.serving.batcher import Batcher
-    from nicoffload.serving.server import ServeConfig, Server
+    from nicoffload.serve.batcher import Batcher
+    from nicoffload.serve.server import ServeConfig, Server
     from nicoffload.session import Session
 
     host, port = parse_listen(listen)

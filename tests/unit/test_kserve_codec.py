@@ -11,8 +11,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from nicoffload.graph import load_pipeline
-from nicoffload.serving import kserve
-from nicoffload.serving.kserve import RequestError
+from nicoffload.serve import kserve
+from nicoffload.serve.kserve import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 

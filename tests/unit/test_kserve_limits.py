@@ -11,8 +11,8 @@ import struct
 import numpy as np
 import pytest
 
-from nicoffload.serving import kserve
-from nicoffload.serving.kserve import MAX_JSON_ELEMENTS, RequestError
+from nicoffload.serve import kserve
+from nicoffload.serve.kserve import MAX_JSON_ELEMENTS, RequestError
 
 
 def _binary(count: int) -> tuple[bytes, str]:
@@ -98,7 +98,7 @@ def test_a_response_too_large_for_json_is_refused_before_it_runs():
 
 
 def test_a_bearer_token_that_is_not_text_is_refused_not_an_error():
-    from nicoffload.serving.server import Server
+    from nicoffload.serve.server import Server
 
     server = Server.__new__(Server)
     server.config = type("C", (), {"token": "s3cret-token-of-32-characters-xx"})()

@@ -11,8 +11,8 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 
 from nicoffload.graph import load_pipeline
-from nicoffload.serving import kserve, kserve_pb
-from nicoffload.serving.kserve import RequestError
+from nicoffload.serve import kserve, kserve_pb
+from nicoffload.serve.kserve import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 from nicoffload.cli.loadgen import parse_rates
 from nicoffload.errors import UserError
-from nicoffload.serving.kserve import parse_infer
-from nicoffload.serving.loadgen import Result, arrivals, request_body, summarize
+from nicoffload.serve.kserve import parse_infer
+from nicoffload.serve.loadgen import Result, arrivals, request_body, summarize
 
 
 def test_arrivals_are_sorted_within_the_run_and_seeded():

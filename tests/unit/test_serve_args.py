@@ -79,7 +79,7 @@ def test_a_pipeline_whose_output_varies_per_item_cannot_be_served(tmp_path):
 
 def test_grpc_without_its_extra_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "grpc", None)  # `import grpc` raises ImportError
-    monkeypatch.delitem(sys.modules, "nicoffload.serving.grpc_server", raising=False)
+    monkeypatch.delitem(sys.modules, "nicoffload.serve.grpc_server", raising=False)
     with pytest.raises(MissingDependency, match=r"serve --grpc .*pip install 'nicoffload\[grpc\]'"):
         grpc_module()
 

@@ -13,7 +13,7 @@ import pytest
 import nicoffload
 from nicoffload.runner import prepare
 from nicoffload.samples import sample_images
-from nicoffload.serving.batcher import Batcher, Outcome, Pending
+from nicoffload.serve.batcher import Batcher, Outcome, Pending
 from nicoffload.session import Session
 from nicoffload.topology import load_topology
 

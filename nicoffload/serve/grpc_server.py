@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from nicoffload.serving import kserve_pb
-from nicoffload.serving.batcher import Outcome
-from nicoffload.serving.server import Server, with_timeout
+from nicoffload.serve import kserve_pb
+from nicoffload.serve.batcher import Outcome
+from nicoffload.serve.server import Server, with_timeout
 
 S = grpc.StatusCode
 CODE_OF_STATUS = {

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from nicoffload.runtime.batch import UNWRITTEN, Batch
-from nicoffload.serving.kserve import RequestError
+from nicoffload.serve.kserve import RequestError
 
 log = logging.getLogger("nicoffload.serve")
 Model = Callable[[dict[str, np.ndarray]], Mapping[str, Any]]

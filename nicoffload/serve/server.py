@@ -26,9 +26,9 @@ from typing import Any
 from aiohttp import web
 
 from nicoffload.graph import Pipeline
-from nicoffload.serving import kserve
-from nicoffload.serving.batcher import Batcher, Outcome, Pending, QueueFull
-from nicoffload.serving.kserve import RequestError
+from nicoffload.serve import kserve
+from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull
+from nicoffload.serve.kserve import RequestError
 
 log = logging.getLogger("nicoffload.serve")
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.serving.kserve import HEADER_LENGTH, pack_bytes
+from nicoffload.serve.kserve import HEADER_LENGTH, pack_bytes
 
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p99.9": 99.9}
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.serving import kserve
-from nicoffload.serving.kserve import InferRequest, RequestError, Tensor
+from nicoffload.serve import kserve
+from nicoffload.serve.kserve import InferRequest, RequestError, Tensor
 
 # a datatype's field of InferTensorContents (FP16 has none: it comes raw only)
 CONTENTS = {
