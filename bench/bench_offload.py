@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prediction import loadavg, typical_jpegs
 
 import nicoffload
+from nicoffload.graph import with_typical
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
+from nicoffload.sizes import typical_of
 from nicoffload.topology import local_topology
 
 PIPELINE = "pipelines/resnet50.yaml"
@@ -129,11 +131,16 @@ def main() -> int:
     topology = local_topology()
     hints = dict(pipeline.inputs["image"].hints)
     images = typical_jpegs(args.items, hints.get("height", 375), hints.get("width", 500))
+    # priced at this corpus's sizes (its mean file bytes: decode's cost grows with them), as
+    # `run` and `plan --input` price a folder, not at the pipeline's `typical`
+    typical = typical_of(pipeline, [(str(i), {"image": b}) for i, b in enumerate(images)])
+    pipeline = with_typical(pipeline, typical)
     doc = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or '?'})",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "load_before": loadavg(),
+        "priced_at": typical,
         "placements": {},
     }
     for name, plan in placements(pipeline, topology).items():
