@@ -11,8 +11,9 @@ against the all-host placement of the same run.
 
     python bench/bench_offload.py [--items 256] [--rounds 2] [--json] [--out FILE.json]
 
-The corpus is ImageNet-size JPEGs (the pipeline's `typical` size, which the planner prices),
-from bench_prediction.typical_jpegs.
+The corpus is ImageNet-size JPEGs (the pipeline's `typical` height and width), from
+bench_prediction.typical_jpegs; every placement is priced at the corpus's own sizes (its mean
+file bytes and pixels, `sizes.typical_of`), as `run` and `plan --input` price a folder.
 """
 
 from __future__ import annotations
