@@ -36,27 +36,11 @@ import nicoffload
 from nicoffload.graph import with_typical
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
+from nicoffload.profiling import agent_cpu_s
 from nicoffload.sizes import typical_of
 from nicoffload.topology import local_topology
 
 PIPELINE = "pipelines/resnet50.yaml"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def agent_cpu_s() -> float:
-    """CPU seconds of this process's local agents (children running dpu_agents.server)."""
-    total = 0.0
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"dpu_agents.server" not in cmd:
-                    continue
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / TICK
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    return total
 
 
 def placements(pipeline, topology) -> dict[str, Plan]:

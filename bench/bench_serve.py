@@ -51,6 +51,7 @@ from bench_prediction import loadavg, typical_jpegs
 import nicoffload
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
+from nicoffload.profiling import child_pids, process_cpu_s
 from nicoffload.serve import loadgen as lg
 from nicoffload.serve.kserve import HEADER_LENGTH
 from nicoffload.topology import local_topology
@@ -58,27 +59,10 @@ from nicoffload.topology import local_topology
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
 NICOFFLOAD = str(Path(sys.executable).parent / "nicoffload")
-TICK = os.sysconf("SC_CLK_TCK")
 PARTS = ("receive_us", "queue_us", "pipeline_us", "model_us")
 CONCURRENCY = (2, 4, 8, 16)
 SWEEP = (0.3, 0.45, 0.6, 0.75, 0.9, 1.0)  # shares of the closed loop's best goodput
 KEPT_UP = 0.95
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process; 0 when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        out += [int(c) for c in task.read_text().split()]
-    return out
 
 
 class Serve:
@@ -97,11 +81,11 @@ class Serve:
             self.stop()
             raise SystemExit(f"serve did not become ready: {log.read_text()[-2000:]}")
         self.doc = json.loads(line)
-        self.agents = children(self.proc.pid)
+        self.agents = child_pids(self.proc.pid)
 
     def cpu(self) -> tuple[float, float]:
         """(serve's CPU s, its agents' CPU s)."""
-        return cpu_s(self.proc.pid), sum(cpu_s(a) for a in self.agents)
+        return process_cpu_s(self.proc.pid), sum(process_cpu_s(a) for a in self.agents)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

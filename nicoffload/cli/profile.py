@@ -34,7 +34,8 @@ def profile(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from nicoffload.errors import DeviceError, ProfileError
-    from nicoffload.profiles import measure, measured_path
+    from nicoffload.profiles import measured_path
+    from nicoffload.profiling import measure
 
     kind, _, address = device.partition("@")
     if kind not in ("cpu", "dpu", "gpu"):

@@ -261,10 +261,11 @@ def _groups(
     profiles: Mapping[str, Profile],
     catalog: Catalog,
     cost: np.ndarray,
+    encoded: Mapping[str, float],
 ) -> list[Group]:
     """A group per fusable window per device kind with its fused kernel: on the devices of
-    that kind it runs fused, priced by the profile's entry for the chain, else (no entry) as
-    its nodes' sum; nan on the other devices."""
+    that kind it runs fused, priced by the profile's entry for the chain (at its first node's
+    `encoded` bytes), else (no entry) as its nodes' sum; nan on the other devices."""
     names = [n.name for n in pipeline.nodes]
     kinds = sorted({dev.kind for dev in topology.devices})
     found = {kind: fusion.windows(pipeline, catalog.fused.get(kind, ())) for kind in kinds}
@@ -275,14 +276,15 @@ def _groups(
             window = tuple(range(i, j + 1))
             key = "+".join(pipeline.nodes[v].op for v in window)
             fused_work = chain_work(pipeline, [names[v] for v in window])
-            encoded = encoded_bytes(pipeline)[names[i]]
             delta = np.full(cost.shape[1], np.nan)
             for d, dev in enumerate(topology.devices):
                 entry = profiles[dev.id].kernel(key) if dev.id in profiles else None
                 own = cost[list(window), d].sum()
                 if dev.kind == kind and np.isfinite(own):
                     delta[d] = (
-                        0.0 if entry is None else max(0.0, entry.ms(fused_work, encoded)) - own
+                        0.0
+                        if entry is None
+                        else max(0.0, entry.ms(fused_work, encoded[names[i]])) - own
                     )
             s0, rows = fusion.table(found[kind], (i, j), cut)
             groups.append(Group(window, key, delta, s0, rows))
@@ -320,7 +322,7 @@ def build_model(
                 scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
                 pixels = work[v] if scaled else full[node.name]
                 cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name]))
-    groups = _groups(pipeline, topology, profiles, catalog, cost)
+    groups = _groups(pipeline, topology, profiles, catalog, cost, encoded)
     specs = effective_specs(pipeline)
     outputs = {str(r) for r in pipeline.outputs.values()}
     refs: list[TensorRef] = []

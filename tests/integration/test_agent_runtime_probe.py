@@ -8,7 +8,7 @@ import os
 import pytest
 
 from nicoffload.profiles import LinkCost
-from nicoffload.profiling import _agent_cpu_s, measure_agent_runtime
+from nicoffload.profiling import agent_cpu_s, measure_agent_runtime
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="one core: no agent beside the host"
@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(
 
 def test_the_agent_runtime_is_measured_through_a_real_agent():
     free = LinkCost(0.0, 1e12, 0.0, 0.0)  # transfers priced at nothing: all the agent's CPU
-    before = _agent_cpu_s()
+    before = agent_cpu_s()
     us = measure_agent_runtime(free, quick=True)
     assert us is not None and us > 0
-    assert _agent_cpu_s() == before  # the agent it started is gone, and was a child of this one
+    assert agent_cpu_s() == before  # the agent it started is gone, and was a child of this one
     # the transfers' price comes off it: priced dear, nothing is left
     dear = LinkCost(0.0, 1e12, 1e6, 0.0)
     assert measure_agent_runtime(dear, quick=True) == 0.0

@@ -13,7 +13,8 @@ import pytest
 from nicoffload.errors import ProfileError
 from nicoffload.graph import load_pipeline
 from nicoffload.planner.cost import Catalog, build_model, encoded_bytes
-from nicoffload.profiles import KernelCost, Profile, fit_encoded, load_profile, profile_from_json
+from nicoffload.profiles import KernelCost, Profile, load_profile, profile_from_json
+from nicoffload.profiling import fit_encoded
 from nicoffload.topology import local_topology
 
 RESNET = "pipelines/resnet50.yaml"

@@ -102,7 +102,7 @@ def test_this_machines_measured_profile_wins_over_the_shipped_estimate(
 
 
 def test_fit_recovers_a_line_and_never_goes_negative() -> None:
-    from nicoffload.profiles import fit
+    from nicoffload.profiling import fit
 
     assert fit([(0, 1.0), (10, 3.0), (20, 5.0)]) == pytest.approx((1.0, 0.2))
     a, b = fit([(10, 1.0), (20, 5.0)])  # would cross zero below: forced through the origin
@@ -113,28 +113,28 @@ def test_fit_recovers_a_line_and_never_goes_negative() -> None:
 def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from nicoffload import ops, profiles, profiling
+    from nicoffload import ops, profiling
 
     if "cpu" not in ops.kernels_for("decode_image"):
         pytest.skip("the image kernels for cpu are not registered")
-    monkeypatch.setattr(profiles, "IMAGE_SIZES", ((60, 80), (120, 160), (180, 240)))
-    monkeypatch.setattr(profiles, "TOKEN_LENGTHS", (8, 16))
-    monkeypatch.setattr(profiles, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
+    monkeypatch.setattr(profiling, "IMAGE_SIZES", ((60, 80), (120, 160), (180, 240)))
+    monkeypatch.setattr(profiling, "TOKEN_LENGTHS", (8, 16))
+    monkeypatch.setattr(profiling, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
     # the agent's runtime is measured through a real agent process: tests/integration
     monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: 12.5)
     seen = []
-    p = profiles.measure(
+    p = profiling.measure(
         "cpu", quick=True, progress=lambda total=None, advance=0: seen.append((total, advance))
     )
     expect = {"+".join(k.ops) for k in ops.all_kernels() if k.device == "cpu"}
     assert set(p.kernels) == expect
     assert all(len(c.points) >= 2 and c.a_ms >= 0 and c.b_ms >= 0 for c in p.kernels.values())
     assert p.method.startswith("measured:") and p.machine["cores"] >= 1 and p.date
-    cases = 3 * (1 + len(profiles.DECODE_QUALITIES)) + 2  # sizes x qualities, and texts
+    cases = 3 * (1 + len(profiling.DECODE_QUALITIES)) + 2  # sizes x qualities, and texts
     assert seen[0][0] == cases * len(expect) and sum(a for _, a in seen) == seen[0][0]
     # the decoder alone is timed at every quality, each point with its file's mean bytes
     decode = p.kernels["decode_image"].points
-    assert len(decode) == 3 * (1 + len(profiles.DECODE_QUALITIES))
+    assert len(decode) == 3 * (1 + len(profiling.DECODE_QUALITIES))
     assert all(len(pt) == 3 and pt[2] > 0 for pt in decode)
     assert all(len(pt) == 2 for pt in p.kernels["resize"].points)
     assert len(p.kernels["resize"].points) == 3
@@ -242,17 +242,17 @@ def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
 ) -> None:
     """The work a decode point is fitted at is the size of the image its kernel returns, built
     with the consumers the runtime builds it with."""
-    from nicoffload import ops, profiles
+    from nicoffload import ops, profiling
     from nicoffload.planner.cost import chain_work
 
     if "cpu" not in ops.kernels_for("decode_image"):
         pytest.skip("the image kernels for cpu are not registered")
-    monkeypatch.setattr(profiles, "IMAGE_SIZES", ((120, 160), (375, 500)))
-    monkeypatch.setattr(profiles, "TOKEN_LENGTHS", ())
-    cases = [c for c in profiles._pipelines(tmp_path, quick=False) if c[2] is None]
+    monkeypatch.setattr(profiling, "IMAGE_SIZES", ((120, 160), (375, 500)))
+    monkeypatch.setattr(profiling, "TOKEN_LENGTHS", ())
+    cases = [c for c in profiling._pipelines(tmp_path, quick=False) if c[2] is None]
     assert len(cases) == 2  # the cases of every kernel (the decoder has more, at other qualities)
-    for (pipeline, variants, _), (h, w) in zip(cases, profiles.IMAGE_SIZES, strict=True):
-        decoded = profiles._upstream(pipeline, "cpu", variants[0])["decode"]
+    for (pipeline, variants, _), (h, w) in zip(cases, profiling.IMAGE_SIZES, strict=True):
+        decoded = profiling._upstream(pipeline, "cpu", variants[0])["decode"]
         assert chain_work(pipeline, ["decode"]) == decoded.shape[0] * decoded.shape[1]
         assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin
 
