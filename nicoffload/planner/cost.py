@@ -378,34 +378,37 @@ def build_model(
 def _agent_ends(rt: Routes, topology: Topology, profiles: Mapping[str, Profile]) -> None:
     """The DPU agent's own CPU per item outside its kernels and transfers (its profile's
     `agent_us_per_item`: parsing requests, batching, row status, forwarding), as CPU on the
-    DPU's cores (divided by its capacity like its kernels). A DPU that is the ingress receives
-    every item whatever the placement: it pays half of it on each tensor that leaves it here,
-    and the other half as part of its `runtime_load`. Another DPU pays half on each tensor
+    DPU's cores (divided by its capacity like its kernels). A DPU pays half on each tensor
     that enters it and half on each that leaves: a stage with one input and one output pays
-    it once. Devices whose profile lacks it pay nothing (as before)."""
+    it once. A DPU that is the ingress receives every item whatever the placement: it pays it
+    in full in its `runtime_load` instead. Devices whose profile lacks it pay nothing."""
     ids = topology.ids
     for d, dev in enumerate(topology.devices):
         prof = profiles.get(dev.id)
-        if dev.kind != "dpu" or prof is None or not prof.agent_us_per_item:
+        if (
+            dev.kind != "dpu"
+            or dev.id == topology.ingress
+            or not prof
+            or not prof.agent_us_per_item
+        ):
             continue
         half = prof.agent_us_per_item * 1e-3 / 2
         for other in range(len(ids)):
             if other != d:
                 rt.fixed[d, other, d] += half
-                if dev.id != topology.ingress:
-                    rt.fixed[other, d, d] += half
+                rt.fixed[other, d, d] += half
 
 
 def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:
     """(R,) core-ms per item whatever the placement: the host runtime's, on the host CPU that
     runs it (the ingress when it is a CPU, else the first CPU device; from that device's
-    profile, 0 without one), and half the agent's own on a DPU that is the ingress."""
+    profile, 0 without one), and the agent's own on a DPU that is the ingress."""
     base = np.zeros(resources)
     ingress = topology.device(topology.ingress)
     prof = profiles.get(ingress.id)
     if ingress.kind == "dpu" and prof is not None and prof.agent_us_per_item:
-        # the agent that receives every item (`_agent_ends` prices the other half)
-        base[topology.ids.index(ingress.id)] += prof.agent_us_per_item * 1e-3 / 2
+        # the agent that receives every item (`_agent_ends`)
+        base[topology.ids.index(ingress.id)] += prof.agent_us_per_item * 1e-3
     cpus = [d for d in topology.devices if d.kind == "cpu"]
     if not cpus:
         return base
