@@ -34,13 +34,7 @@ from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
 from nicoffload.runtime.delivered import delivers_outputs, place_rows
 from nicoffload.runtime.gpu_direct import GpuDirect
 from nicoffload.runtime.gpu_feed import GpuFeed, GpuRows
-from nicoffload.runtime.remote import (
-    RERUN_WHY,
-    RemoteFront,
-    failover_reason,
-    leaving,
-    split_rerun,
-)
+from nicoffload.runtime.remote import RERUN_WHY, RemoteFront, failover_reason, leaving, split_rerun
 from nicoffload.runtime.stage import Stage, StepTime, split_stages
 
 __all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
