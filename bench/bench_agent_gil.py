@@ -188,7 +188,7 @@ def measure(name: str, args: argparse.Namespace, images: list[bytes], token: Pat
             spy = subprocess.Popen(
                 [
                     *("taskset", "-c", args.host_cpus),
-                    str(Path(sys.executable).parent / "py-spy"),
+                    shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
                     *("record", "--gil", "--rate", str(args.rate), "--format", "raw", *args.spy),
                     *("-p", str(agent.pid), "-o", out),
                 ],
