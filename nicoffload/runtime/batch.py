@@ -10,7 +10,7 @@ never come out as ok: it becomes an item error (`unwritten`) that says which sin
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,9 @@ class Batch:
     ok: np.ndarray
     failures: list[ItemFailure]
     latencies_s: np.ndarray
+    # per-row perf_counter stamps, where the executor keeps them (serving's breakdown):
+    # admitted, closed (sent to the agent), delivered (back from it; 0: not), finished, done
+    row_times: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.names)

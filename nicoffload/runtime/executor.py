@@ -57,6 +57,11 @@ class _Open:
     ok: np.ndarray | None = None  # set once every row is settled (`Executor._settle`)
     taken: int = 0  # the slot's `taken` when this batch took it
     key: int = 0  # added to an item's index in its row stamps: the call's own
+    # per-row perf_counter stamps for serving's per-request breakdown (`Batch.row_times`):
+    # when the batch went to the agent, each row's delivery from it, each row's work done
+    closed_at: float = 0.0
+    delivered: dict[int, float] = field(default_factory=dict)
+    finished: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.taken = self.slot.taken
@@ -215,8 +220,11 @@ class Executor:
                 cond.notify_all()
             stop.set()
 
-        def finish(b: _Open, n: int = 1) -> None:
+        def finish(b: _Open, n: int = 1, rows: Iterable[int] = ()) -> None:
+            now = time.perf_counter()
             with cond:
+                for r in rows:
+                    b.finished[r] = now
                 b.pending -= n
                 if b.pending == 0:
                     b.done_at = time.perf_counter()
@@ -238,19 +246,22 @@ class Executor:
                 finally:
                     if task.release:
                         task.release()
-                finish(task.batch)
+                finish(task.batch, rows=(task.row,))
 
         def on_rows(tasks: list[_Task], rows: list[int], tensors, bad, release) -> None:
             assert front is not None  # a delivery's failed rows, then its ok ones
+            now = time.perf_counter()
+            for task in tasks:
+                task.batch.delivered[task.row] = now
             bad, rerun = split_rerun(bad)
             for task, why in bad:
                 failed(task, *why)
-                finish(task.batch)
+                finish(task.batch, rows=(task.row,))
             if rerun:
                 on_host(rerun, RERUN_WHY)
             if placed and tasks:  # the delivered rows are the outputs: placed a batch at once
                 for b, n in place_rows(tasks, rows, tensors, self.out_refs):
-                    finish(b, n)
+                    finish(b, n, [t.row for t in tasks if t.batch is b])
                 release(len(tasks))
                 return
             for task, row in zip(tasks, rows, strict=True):
@@ -304,6 +315,7 @@ class Executor:
             put_unless(work, task, stop)
 
         def close(b: _Open) -> None:
+            b.closed_at = time.perf_counter()
             if held and front is not None:  # one REQUEST frame (one credit) for the batch
                 tasks, held[:] = held[:], []
                 if front.accepting:
@@ -500,7 +512,27 @@ class Executor:
         outputs: dict[str, Any] = {k: a[:n] for k, a in b.slot.arrays.items()}
         outputs.update({k: list(v[:n]) for k, v in b.slot.ragged.items()})
         lat = b.done_at - np.array(b.admitted)
-        return Batch(b.index, b.start, list(b.names), outputs, ok, list(b.failures), lat)
+        return Batch(
+            b.index, b.start, list(b.names), outputs, ok, list(b.failures), lat, self._times(b)
+        )
+
+    @staticmethod
+    def _times(b: _Open) -> dict[str, np.ndarray]:
+        """The batch's per-row stamps (perf_counter s; 0 where a row has none: `delivered`
+        for a row that never went to the agent, or ran on the host after a failover)."""
+        n = len(b.names)
+        delivered, finished = np.zeros(n), np.zeros(n)
+        for r, t in b.delivered.items():
+            delivered[r] = t
+        for r, t in b.finished.items():
+            finished[r] = t
+        return {
+            "admitted": np.array(b.admitted),
+            "closed": np.full(n, b.closed_at),
+            "delivered": delivered,
+            "finished": finished,
+            "done": np.full(n, b.done_at),
+        }
 
     def step_times(self) -> list[tuple[StagePlan, dict[str, StepTime]]]:
         """What each host stage's steps cost per item (see `StepTime`); the host's copy of a

@@ -48,6 +48,7 @@ class Outcome:
     retry: bool = (
         False  # refused for now (the queue is full): HTTP Retry-After, gRPC RESOURCE_EXHAUSTED
     )
+    decided: float = 0.0  # perf_counter when it was decided: where `timings` end
 
 
 @dataclass
@@ -62,7 +63,8 @@ class Pending:
     answered: bool = False
     handed: float = 0.0  # when its last item went to the runtime
     out: float = 0.0  # when the batch with its last item came out
-    model_s: float = 0.0
+    modelled: float = 0.0  # ... and when the model's call on that batch returned
+    row: dict[str, float] = field(default_factory=dict)  # its last item's runtime stamps
     batches: int = 0
     rows: list[tuple[dict[str, np.ndarray], int] | None] = field(default_factory=list)
     failure: tuple[int, str] | None = None  # (status, reason) of its first failed item
@@ -138,7 +140,7 @@ class Batcher:
             f"deadline exceeded {late_us} us before item {i} entered the pipeline; "
             f"{skipped} of {len(p.items)} items were not run"
         )
-        self._answer(p, Outcome(504, error=reason, timings=self._timings(p, now)))
+        self._answer(p, Outcome(504, error=reason, timings=self._timings(p, now), decided=now))
         self._settle(p, skipped)
 
     def _run(self) -> None:
@@ -181,15 +183,16 @@ class Batcher:
         keep = np.flatnonzero(batch.ok)
         # fancy indexing copies: the batch's arrays are views into a slot reused after this
         outs = {k: np.asarray(v)[keep] for k, v in batch.outputs.items()}
-        model_s, model_error = 0.0, None
+        model_error = None
         if self.model is not None and len(keep):
             try:
-                outs, model_s = self._run_model(outs, len(keep))
+                outs, _ = self._run_model(outs, len(keep))
             except Exception as exc:  # this batch's requests fail; the server goes on
                 log.exception("the model failed on a batch of %d items", len(keep))
                 model_error = f"the model failed: {type(exc).__name__}: {exc}"
         pos = np.cumsum(batch.ok) - 1
         failed = {f.name: f for f in batch.failures}
+        t_modelled = time.perf_counter()  # the rows copied out of the slot, the model run
         touched: dict[int, tuple[Pending, int]] = {}
         for row, name in enumerate(batch.names):
             seq, i = (int(x) for x in name.split("/"))
@@ -197,10 +200,10 @@ class Batcher:
                 p = self._pending.get(seq)
             if p is None:
                 continue
-            p.out = t_out
+            p.out, p.modelled = t_out, t_modelled
+            p.row = {k: float(v[row]) for k, v in batch.row_times.items()}
             if seq not in touched:
                 p.batches += 1
-                p.model_s += model_s
             touched[seq] = (p, touched.get(seq, (p, 0))[1] + 1)
             if name in failed:
                 f = failed[name]
@@ -224,28 +227,53 @@ class Batcher:
                 del self._pending[p.seq]
         if not last or p.answered:
             return
-        now = time.perf_counter()
         if p.failure is not None:
+            now = time.perf_counter()
+            status, error = p.failure
             self._answer(
-                p, Outcome(p.failure[0], error=p.failure[1], timings=self._timings(p, now))
+                p, Outcome(status, error=error, timings=self._timings(p, now), decided=now)
             )
             return
         rows = [r for r in p.rows if r is not None]
         outputs = {k: np.stack([outs[k][at] for outs, at in rows]) for k in rows[0][0]}
-        self._answer(p, Outcome(200, outputs, timings=self._timings(p, now)))
+        now = time.perf_counter()
+        self._answer(p, Outcome(200, outputs, timings=self._timings(p, now), decided=now))
 
     def _timings(self, p: Pending, now: float) -> dict[str, int]:
+        """The request's breakdown (us): consecutive intervals between measured stamps, each
+        ending where the next begins, so that they sum to `server_us` (arrived -> now). The
+        runtime's parts follow its last item's row (`Batch.row_times`): into the executor
+        (`admit`: the feeder and a free slot), the batch's wait to be sent (`batch_wait`) and
+        the agent's stages and transfers (`dpu`) when it went to the agent, the host stages
+        and the wait for a worker (`host`), the rest of its batch (`batch`), earlier batches
+        and the consumer (`order`). Without row stamps (the general executor) that span is
+        `pipeline_us` whole."""
+
         def us(a: float, b: float) -> int:
             return max(0, round((b - a) * 1e6))
 
-        t = {"receive_us": us(p.arrived, p.parsed)}
+        marks: list[tuple[str, float]] = [("receive_us", p.parsed)]
         if p.handed:
-            t["queue_us"] = us(p.parsed, p.handed)
+            marks.append(("queue_us", p.handed))
+        r = p.row
+        if p.out and r.get("finished") and r.get("done"):
+            marks.append(("admit_us", r["admitted"]))
+            if r.get("delivered"):
+                marks += [("batch_wait_us", r["closed"]), ("dpu_us", r["delivered"])]
+            marks += [("host_us", r["finished"]), ("batch_us", r["done"]), ("order_us", p.out)]
+        elif p.out:
+            marks.append(("pipeline_us", p.out))
+        if p.out and self.model is not None:
+            marks.append(("model_us", p.modelled))  # with copying its rows out of the slot
         if p.out:
-            t["pipeline_us"] = us(p.handed, p.out)
+            marks.append(("answer_us", now))  # its outputs gathered, handed to the endpoint
+        t: dict[str, int] = {}
+        at = p.arrived
+        for name, end in marks:
+            t[name] = us(at, end)
+            at = max(at, end)
+        if p.out:
             t["batches"] = p.batches
-        if self.model is not None and p.out:
-            t["model_us"] = round(p.model_s * 1e6)
         t["server_us"] = us(p.arrived, now)
         return t
 

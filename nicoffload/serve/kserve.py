@@ -442,12 +442,19 @@ def infer_response(
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and its headers: the requested outputs (all, when none were named),
     each binary when the request asks (`binary_data_output`, or the output's `binary_data`)."""
+    return assemble_response(response_parts(model, req, outputs), parameters)
+
+
+def response_parts(
+    model: str, req: InferRequest, outputs: Mapping[str, np.ndarray]
+) -> tuple[dict[str, Any], list[bytes]]:
+    """The costly half of `infer_response`: the response's JSON document (without its
+    parameters) and the outputs' binary blobs, so that the time it takes can be among the
+    parameters `assemble_response` then adds."""
     names = answered_outputs(req, outputs)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
     if req.id is not None:
         doc["id"] = req.id
-    if parameters:
-        doc["parameters"] = dict(parameters)
     blobs: list[bytes] = []
     for name in names:
         binary = (
@@ -457,6 +464,16 @@ def infer_response(
         doc["outputs"].append(entry)
         if raw is not None:
             blobs.append(raw)
+    return doc, blobs
+
+
+def assemble_response(
+    parts: tuple[dict[str, Any], list[bytes]], parameters: Mapping[str, Any] | None = None
+) -> tuple[bytes, dict[str, str]]:
+    """`response_parts`' document with `parameters`, and its blobs: the body and headers."""
+    doc, blobs = parts
+    if parameters:
+        doc = {**doc, "parameters": dict(parameters)}
     head = json.dumps(doc, separators=(",", ":")).encode()
     if not blobs:
         return head, {"Content-Type": "application/json"}

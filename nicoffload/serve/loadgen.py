@@ -19,9 +19,35 @@ from typing import Any
 
 import numpy as np
 
+from nicoffload.serve.clock import clock_id, now_ns
 from nicoffload.serve.kserve import HEADER_LENGTH, pack_bytes
 
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p99.9": 99.9}
+# A request's parts in the order its time passes, each a measured interval that ends where the
+# next begins (the client's own, the way to the server and back, the server's: `serve`'s
+# response parameters; batcher._timings and server.infer say what each covers). Where the
+# papers' names fall: receive = request + receive; decode, preprocess and transfer = dpu + host
+# (the agent's stages and the transfers both ways; the host's stages); inference = model;
+# response send = encode + response; queueing and batching = queue, admit, batch_wait, batch,
+# order, answer, resume.
+PARTS = (
+    "client_us",  # loadgen: from when the request was due to when it began to send it
+    "request_us",  # sent -> the server's handler began (connect, send, aiohttp's parsing)
+    "receive_us",
+    "queue_us",
+    "admit_us",
+    "batch_wait_us",
+    "dpu_us",
+    "host_us",
+    "batch_us",
+    "order_us",
+    "pipeline_us",  # instead of admit .. order, from an executor without row stamps
+    "model_us",
+    "answer_us",
+    "resume_us",
+    "encode_us",
+    "response_us",  # the server handed the response to aiohttp -> loadgen read its last byte
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +58,19 @@ class Result:
     status: int
     latency_s: float
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def _mean_parts(results: Sequence[Result]) -> dict[str, float]:
+    """The mean of each part (ms) over `results`, in PARTS' order, with `server_ms` (the
+    server's own total); a part a request lacks counts as 0 for it."""
+    keys = {k for r in results for k in r.timings if k.endswith("_us")}
+    order = [k for k in PARTS if k in keys] + sorted(keys - set(PARTS))
+    return {
+        k[: -len("_us")] + "_ms": round(
+            float(np.mean([r.timings.get(k, 0) for r in results])) / 1e3, 3
+        )
+        for k in order
+    }
 
 
 def arrivals(rate: float, duration_s: float, seed: int = 0) -> np.ndarray:
@@ -48,9 +87,11 @@ def summarize(
     results: Sequence[Result], duration_s: float, offered: float | None
 ) -> dict[str, Any]:
     """Goodput (answered 200 per second of the run), latency percentiles of the answered
-    requests, errors by status, and the mean per-stage breakdown (ms) from their parameters.
-    `unattributed_ms` is the mean end-to-end latency the server's own `server_us` does not
-    cover: the network, the response's encoding and sending, the client."""
+    requests, errors by status, and the mean of each part (PARTS, ms) of the answered requests,
+    over all of them (`breakdown_ms`) and over the slowest 1% (`tail_breakdown_ms`).
+    `attributed_ratio`: the parts' sum over the mean end-to-end latency; `unattributed_ms`
+    what they leave of it (the parts a request could not measure: the way to the server and
+    back when it runs on another kernel)."""
     ok = [r for r in results if r.status == 200]
     lat_ms = np.array([r.latency_s * 1e3 for r in ok])
     doc: dict[str, Any] = {
@@ -69,13 +110,18 @@ def summarize(
         },
         "mean_latency_ms": round(float(lat_ms.mean()), 3) if len(ok) else None,
     }
-    keys = sorted({k for r in ok for k in r.timings if k.endswith("_us")})
-    breakdown = {
-        k[: -len("_us")] + "_ms": round(float(np.mean([r.timings.get(k, 0) for r in ok])) / 1e3, 3)
-        for k in keys
-    }
-    if "server_ms" in breakdown and doc["mean_latency_ms"] is not None:
-        breakdown["unattributed_ms"] = round(doc["mean_latency_ms"] - breakdown["server_ms"], 3)
+    breakdown = _mean_parts(ok)
+    if doc["mean_latency_ms"] is not None:
+        # what the measured parts leave of the end-to-end latency: 0 when every part is there
+        attributed = sum(v for k, v in breakdown.items() if k[:-3] + "_us" in PARTS)
+        breakdown["unattributed_ms"] = round(doc["mean_latency_ms"] - attributed, 3)
+        doc["attributed_ratio"] = (
+            round(attributed / doc["mean_latency_ms"], 3) if doc["mean_latency_ms"] else None
+        )
+        # the same parts for the slowest 1% alone: what makes the tail
+        slow = [r for r in ok if r.latency_s * 1e3 >= doc["latency_ms"]["p99"]]
+        doc["tail_breakdown_ms"] = _mean_parts(slow)
+        doc["tail_latency_mean_ms"] = round(float(np.mean([r.latency_s for r in slow])) * 1e3, 3)
     doc["breakdown_ms"] = breakdown
     return doc
 
@@ -100,19 +146,29 @@ def request_body(input_name: str, elements: list[bytes]) -> tuple[bytes, dict[st
 
 
 async def _send(
-    session: Any, url: str, body: bytes, headers: dict[str, str], start: float
+    session: Any, url: str, body: bytes, headers: dict[str, str], start: float, clock: str = ""
 ) -> Result:
+    """One request; `start` (perf_counter) is when it was due. With the server on this
+    kernel's clock (`clock`, its responses' `clock` parameter), the way there and back is
+    measured from its `arrived_ns` and `server_us`."""
     import aiohttp
 
+    sent, sent_ns = time.perf_counter(), now_ns()
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             raw = await resp.read()
-            latency = time.perf_counter() - start
+            latency, done_ns = time.perf_counter() - start, now_ns()
             timings: dict[str, float] = {}
             if resp.status == 200:
                 n = int(resp.headers.get(HEADER_LENGTH, len(raw)))
                 params = json.loads(raw[:n]).get("parameters") or {}
                 timings = {k: v for k, v in params.items() if isinstance(v, (int, float))}
+                timings["client_us"] = round((sent - start) * 1e6)
+                if clock and params.get("clock") == clock and "arrived_ns" in timings:
+                    left_ns = timings["arrived_ns"] + timings.get("server_us", 0) * 1000
+                    timings["request_us"] = round((timings["arrived_ns"] - sent_ns) / 1e3)
+                    timings["response_us"] = round((done_ns - left_ns) / 1e3)
+                timings.pop("arrived_ns", None)
             return Result(resp.status, latency, timings)
     except (TimeoutError, aiohttp.ClientError, OSError):
         return Result(0, time.perf_counter() - start)
@@ -133,6 +189,7 @@ async def run_load(
     import aiohttp
 
     auth = {"Authorization": f"Bearer {token}"} if token else {}
+    clock = clock_id()
     connector = aiohttp.TCPConnector(limit=0 if rate is not None else concurrency or 1)
     timeout = aiohttp.ClientTimeout(total=max(60.0, duration_s * 2))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -144,7 +201,9 @@ async def run_load(
                 if (wait := due - time.perf_counter()) > 0:
                     await asyncio.sleep(wait)
                 body, headers = bodies[i % len(bodies)]
-                tasks.append(asyncio.ensure_future(_send(session, url, body, headers | auth, due)))
+                tasks.append(
+                    asyncio.ensure_future(_send(session, url, body, headers | auth, due, clock))
+                )
             results = list(await asyncio.gather(*tasks))
         else:
             results = []
@@ -154,7 +213,7 @@ async def run_load(
                 while time.perf_counter() - t0 < duration_s:
                     body, headers = bodies[next(counter) % len(bodies)]
                     results.append(
-                        await _send(session, url, body, headers | auth, time.perf_counter())
+                        await _send(session, url, body, headers | auth, time.perf_counter(), clock)
                     )
 
             await asyncio.gather(*(client() for _ in range(concurrency or 1)))
@@ -182,18 +241,20 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     ax1.grid(alpha=0.3)
     stages = [
         k
-        for k in ("receive_ms", "queue_ms", "pipeline_ms", "model_ms", "unattributed_ms")
+        for k in [p[: -len("_us")] + "_ms" for p in PARTS] + ["unattributed_ms"]
         if any(k in r["breakdown_ms"] for r in runs)
     ]
     bottom = np.zeros(len(runs))
     labels = [f"{v:g}" for v in x]
-    for k in stages:
+    colors = plt.get_cmap("tab20")(np.arange(len(stages)) % 20)
+    for k, color in zip(stages, colors, strict=True):
         vals = np.array([max(0.0, r["breakdown_ms"].get(k, 0.0)) for r in runs])
-        ax2.bar(labels, vals, bottom=bottom, label=k[: -len("_ms")])
+        ax2.bar(labels, vals, bottom=bottom, label=k[: -len("_ms")], color=color)
         bottom += vals
+    ax2.plot(labels, [r["mean_latency_ms"] or 0.0 for r in runs], "k_", ms=18, label="end to end")
     ax2.set_xlabel("offered load (requests/s)")
     ax2.set_ylabel("mean per request (ms)")
-    ax2.legend()
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

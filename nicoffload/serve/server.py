@@ -28,6 +28,7 @@ from aiohttp import web
 from nicoffload.graph import Pipeline
 from nicoffload.serve import kserve
 from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull
+from nicoffload.serve.clock import clock_id, now_ns
 from nicoffload.serve.kserve import RequestError
 
 log = logging.getLogger("nicoffload.serve")
@@ -73,6 +74,7 @@ class Server:
         self.metadata = kserve.model_metadata(config.model_name, pipeline, outputs)
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
         self.draining = False
+        self.clock = clock_id()
         self.in_flight = 0  # infer handlers between their first line and their response
         self._idle = asyncio.Event()
         self._idle.set()
@@ -204,10 +206,11 @@ class Server:
         return req, await done
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        arrived = time.perf_counter()
+        arrived, arrived_ns = time.perf_counter(), now_ns()
         req, outcome = await self.answer(
             request.match_info["name"], lambda: self._read(request), arrived
         )
+        resumed = time.perf_counter()
         params: dict[str, Any] = dict(outcome.timings)
         if req is None or outcome.outputs is None:
             doc: dict[str, Any] = {"error": outcome.error}
@@ -220,9 +223,21 @@ class Server:
                 response.headers["Retry-After"] = "1"
             return response
         # off the event loop: encoding a large response must not hold up the other requests
-        body, headers = await asyncio.get_running_loop().run_in_executor(
-            None, kserve.infer_response, self.config.model_name, req, outcome.outputs, params
+        parts = await asyncio.get_running_loop().run_in_executor(
+            None, kserve.response_parts, self.config.model_name, req, outcome.outputs
         )
+        encoded = time.perf_counter()
+        # the batcher's parts end when it decided; the handler's follow: back on the event loop
+        # (`resume`), the outputs encoded (`encode`); `server_us` ends here, as the response is
+        # handed to aiohttp. `arrived_ns` on `clock` lets a client on this kernel measure the
+        # way here and back (loadgen's request_us and response_us).
+        params["resume_us"] = max(0, round((resumed - outcome.decided) * 1e6))
+        params["encode_us"] = round((encoded - resumed) * 1e6)
+        params["server_us"] = round((encoded - arrived) * 1e6)
+        params["arrived_ns"] = arrived_ns
+        if self.clock:
+            params["clock"] = self.clock
+        body, headers = kserve.assemble_response(parts, params)
         return web.Response(body=body, headers=headers)
 
     async def _read(self, request: web.Request) -> kserve.InferRequest:

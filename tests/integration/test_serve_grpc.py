@@ -79,7 +79,13 @@ def test_outputs_equal_nicoffload_run_bit_for_bit(server, plan, images):
     assert got.tobytes() == want.tobytes()
     resp = res.get_response()
     assert resp.id == "g-1" and resp.model_name == MODEL
-    assert {"receive_us", "queue_us", "pipeline_us", "server_us"} <= set(resp.parameters)
+    # the batcher's breakdown: consecutive parts that sum to server_us (until it answered)
+    from nicoffload.serve.loadgen import PARTS
+
+    t = {k: v.int64_param for k, v in resp.parameters.items()}
+    parts = [k for k in PARTS if k in t]
+    assert {"receive_us", "queue_us", "host_us", "answer_us"} <= set(parts)
+    assert abs(sum(t[k] for k in parts) - t["server_us"]) <= len(parts)
 
 
 def test_a_named_output_is_the_one_returned(server, plan, images):

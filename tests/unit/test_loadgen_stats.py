@@ -45,7 +45,29 @@ def test_breakdown_is_the_mean_of_the_answered_requests_only():
         Result(400, 0.001, {"queue_us": 99_000}),
     ]
     b = summarize(rs, 1.0, None)["breakdown_ms"]
-    assert b == {"pipeline_ms": 7.0, "queue_ms": 2.0, "server_ms": 10.0, "unattributed_ms": 2.0}
+    # in the order time passes; what the parts (not the server's total) leave of the 12 ms
+    assert list(b.items()) == [
+        ("queue_ms", 2.0),
+        ("pipeline_ms", 7.0),
+        ("server_ms", 10.0),
+        ("unattributed_ms", 3.0),
+    ]
+
+
+def test_parts_that_cover_the_latency_attribute_all_of_it():
+    parts = {"client_us": 100, "request_us": 400, "receive_us": 500, "host_us": 3000}
+    rs = [Result(200, 0.004, parts | {"server_us": 3500})] * 3
+    doc = summarize(rs, 1.0, 3.0)
+    assert doc["attributed_ratio"] == 1.0 and doc["breakdown_ms"]["unattributed_ms"] == 0.0
+
+
+def test_tail_breakdown_is_the_mean_of_the_slowest_one_percent():
+    fast = [Result(200, 0.002, {"host_us": 2000})] * 99
+    slow = [Result(200, 0.050, {"host_us": 2000, "batch_us": 48_000})]
+    doc = summarize(fast + slow, 1.0, 100.0)
+    assert doc["tail_breakdown_ms"] == {"host_ms": 2.0, "batch_ms": 48.0}
+    assert doc["tail_latency_mean_ms"] == 50.0
+    assert doc["breakdown_ms"]["batch_ms"] == 0.48
 
 
 def test_no_answered_request_has_no_latency():

@@ -96,3 +96,17 @@ def test_a_corrupt_item_fails_its_request_with_the_reason(prep, images):
         batcher.stop(30)
     assert out.status == 400 and out.error.startswith("item 1: ")
     assert batcher.outstanding == 0
+
+
+def test_a_requests_parts_follow_its_item_through_the_executor_and_sum_to_server_us(prep, images):
+    session, batcher = serving(prep)
+    with session:
+        t = ask(batcher, [{"image": images[0]}]).timings
+        batcher.stop(30)
+    parts = ["receive_us", "queue_us", "admit_us", "host_us", "batch_us", "order_us", "answer_us"]
+    assert [k for k in t if k.endswith("_us")] == [*parts, "server_us"]
+    # no agent in this plan: nothing waited to be sent to one, nothing came back from it
+    assert "dpu_us" not in t and "batch_wait_us" not in t and "pipeline_us" not in t
+    # consecutive intervals, each rounded to a microsecond on its own
+    assert abs(sum(t[k] for k in parts) - t["server_us"]) <= len(parts)
+    assert t["host_us"] > 0
