@@ -4,6 +4,7 @@ gRPC with --grpc)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 import logging
@@ -203,6 +204,18 @@ def serve(
         None, "--model-name", help="the model's name in URLs (default: the pipeline's name)"
     ),
     workers: int | None = typer.Option(None, "--workers", min=1, help="host worker threads"),
+    max_batch: int | None = typer.Option(
+        None,
+        "--max-batch",
+        min=1,
+        help="at most this many items per batch (default: the pipeline's batch max_size)",
+    ),
+    switch_us: int = typer.Option(
+        500,
+        "--switch-interval-us",
+        min=50,
+        help="the interpreter's thread switch interval (Python's default is 5000)",
+    ),
 ) -> None:
     """Serve a pipeline over the Open Inference Protocol (KServe v2 REST with Triton's binary tensors), so Triton and KServe clients work: `POST /v2/models/NAME/infer` with one BYTES input per pipeline input, one element per item (a JPEG, a text).
 
@@ -232,12 +245,18 @@ def serve(
     check_token_file(agent_token_file)
     pl = load_pipeline(pipeline)
     check_servable(pl)
+    if max_batch is not None and max_batch < pl.batch_max_size:
+        pl = dataclasses.replace(pl, batch_max_size=max_batch)
     fn = load_model(model) if model else None
     outputs = model_outputs(fn, pl) if fn is not None else None
     prep = prepare(pl, plan, topology, agent_token_file)
     config = ServeConfig(
         model_name or pl.name, token, int(max_request_mb * (1 << 20)), read_timeout
     )
+    # serve's threads (event loop, encoder, batcher, the runtime's feeder and workers) hand
+    # the GIL to one another per request: at the default 5 ms switch interval, a thread
+    # woken by another can wait that long for it while one that computes holds it
+    sys.setswitchinterval(switch_us / 1e6)
     with Session(prep, workers=workers) as session:
         batcher = Batcher(session, fn, max_queue)
         server = Server(pl, batcher, config, outputs)
@@ -248,6 +267,8 @@ def serve(
             "predicted": None if session.plan.predicted is None else vars(session.plan.predicted),
             "setup_s": round(session.setup_s, 3),
             "max_queue": max_queue,
+            "max_batch": pl.batch_max_size,
+            "switch_interval_us": round(sys.getswitchinterval() * 1e6),
             "auth": "bearer" if token else "none",
         }
         try:

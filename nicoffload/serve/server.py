@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from nicoffload.graph import Pipeline
@@ -33,6 +34,11 @@ from nicoffload.serve.kserve import RequestError
 
 log = logging.getLogger("nicoffload.serve")
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
+# Parsing a request and encoding a response run on the event loop when they are this small and
+# binary (tens of microseconds: a handoff to a thread and back costs more, and on busy cores
+# each of its wakeups can wait milliseconds, which set serving's tail); larger ones and JSON
+# tensors go to a thread, so that one costly request does not hold up the others.
+INLINE_BYTES = 1 << 20
 TIMEOUT_HEADER = "Nicoffload-Timeout-Us"  # the request's deadline, as Triton's `timeout` parameter
 
 
@@ -222,10 +228,15 @@ class Server:
             if outcome.retry:
                 response.headers["Retry-After"] = "1"
             return response
-        # off the event loop: encoding a large response must not hold up the other requests
-        parts = await asyncio.get_running_loop().run_in_executor(
-            None, kserve.response_parts, self.config.model_name, req, outcome.outputs
-        )
+        names = kserve.answered_outputs(req, outcome.outputs)
+        binary = req.binary_output or all((req.outputs or {}).get(k) for k in names)
+        size = sum(np.asarray(outcome.outputs[k]).nbytes for k in names)
+        if binary and size <= INLINE_BYTES:
+            parts = kserve.response_parts(self.config.model_name, req, outcome.outputs)
+        else:  # off the event loop: encoding a large response must not hold up the others
+            parts = await asyncio.get_running_loop().run_in_executor(
+                None, kserve.response_parts, self.config.model_name, req, outcome.outputs
+            )
         encoded = time.perf_counter()
         # the batcher's parts end when it decided; the handler's follow: back on the event loop
         # (`resume`), the outputs encoded (`encode`); `server_us` ends here, as the response is
@@ -257,15 +268,16 @@ class Server:
             ) from None
         except Exception as exc:  # aiohttp's payload errors: the body ended early
             raise RequestError(f"truncated body: {type(exc).__name__}: {exc}") from None
-        # off the event loop (a request of many elements takes a while to read)
-        req = await asyncio.get_running_loop().run_in_executor(
-            None,
-            kserve.parse_infer,
+        args = (
             body,
             request.headers.get("Content-Type", ""),
             request.headers.get(kserve.HEADER_LENGTH),
             self.batcher.max_queue,
         )
+        if _small_binary(body, args[2]):
+            req = kserve.parse_infer(*args)
+        else:  # off the event loop (a request of many elements takes a while to read)
+            req = await asyncio.get_running_loop().run_in_executor(None, kserve.parse_infer, *args)
         if TIMEOUT_HEADER in request.headers:
             try:
                 t = int(request.headers[TIMEOUT_HEADER][:40])
@@ -283,6 +295,17 @@ class Server:
             log.info("draining: %d requests in flight", self.in_flight)
         self.draining = True
         await self._idle.wait()
+
+
+def _small_binary(body: bytes, header_length: str | None) -> bool:
+    """A binary request small enough to parse on the event loop: a JSON head of at most 64 KiB
+    (what costs time is JSON, not the binary part, which is sliced), INLINE_BYTES in all."""
+    if header_length is None or len(body) > INLINE_BYTES:
+        return False
+    try:
+        return 0 <= int(header_length[:20]) <= 64 << 10
+    except ValueError:
+        return False  # parse_infer says what is wrong with it, off the loop as before
 
 
 def with_timeout(req: kserve.InferRequest, timeout_us: int) -> kserve.InferRequest:

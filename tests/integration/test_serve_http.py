@@ -97,6 +97,26 @@ def test_ready_line_names_the_url_model_and_plan(server):
     assert server.doc["auth"] == "bearer"
 
 
+def test_ready_line_reports_the_batch_and_the_switch_interval_in_force(server):
+    assert server.doc["max_batch"] == 64  # the pipeline's batch max_size
+    assert server.doc["switch_interval_us"] == 500
+
+
+def test_max_batch_caps_the_batches_a_request_is_split_over(plan, images, tmp_path):
+    s = Served(
+        ["--plan", str(plan), "--max-batch", "2", "--switch-interval-us", "2000"],
+        tmp_path / "serve.log",
+    )
+    try:
+        assert s.doc["max_batch"] == 2 and s.doc["switch_interval_us"] == 2000
+        want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
+        res = s.client.infer(MODEL, [image_input(images)])
+        assert res.as_numpy("pixels").tobytes() == want.tobytes()
+        assert res.get_response()["parameters"]["batches"] == 3  # 5 items, 2 a batch
+    finally:
+        assert s.stop() == 0
+
+
 def test_outputs_equal_nicoffload_run_bit_for_bit(server, plan, images):
     want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
     res = server.client.infer(MODEL, [image_input(images)], request_id="req-1", headers=auth())
