@@ -210,6 +210,12 @@ def serve(
         min=1,
         help="at most this many items per batch (default: the pipeline's batch max_size)",
     ),
+    wait_batches: bool = typer.Option(
+        False,
+        "--wait-batches",
+        help="hold each batch open for the pipeline's max wait even when idle (by default a "
+        "batch goes as soon as nothing waits behind it and nothing is in flight downstream)",
+    ),
     switch_us: int = typer.Option(
         500,
         "--switch-interval-us",
@@ -258,6 +264,8 @@ def serve(
     # woken by another can wait that long for it while one that computes holds it
     sys.setswitchinterval(switch_us / 1e6)
     with Session(prep, workers=workers) as session:
+        if hasattr(session.executor, "close_when_idle"):  # the general executor has no such
+            session.executor.close_when_idle = not wait_batches
         batcher = Batcher(session, fn, max_queue)
         server = Server(pl, batcher, config, outputs)
         batcher.start()
@@ -268,6 +276,7 @@ def serve(
             "setup_s": round(session.setup_s, 3),
             "max_queue": max_queue,
             "max_batch": pl.batch_max_size,
+            "close_when_idle": bool(getattr(session.executor, "close_when_idle", False)),
             "switch_interval_us": round(sys.getswitchinterval() * 1e6),
             "auth": "bearer" if token else "none",
         }

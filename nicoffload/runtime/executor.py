@@ -143,6 +143,10 @@ class Executor:
         self.direct = None
         if self.gpu is not None and lead is None and not stages and not self.out_refs:
             self.direct = GpuDirect(self.gpu, self.gpu_refs, self.batch_size, self.max_wait_s)
+        # serving's batch policy (`serve` sets it): a batch is closed as soon as no item waits
+        # behind it and nothing is in flight downstream (no agent, or the agent idle), rather
+        # than after the max wait; under load, batches still fill while the agent works
+        self.close_when_idle = False
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self._failover: tuple[str, bool] | None = None  # (failed_over, the agent's end)
         self.taken_back = 0  # how many items ran the DPU stage here instead
@@ -365,7 +369,9 @@ class Executor:
                     current.pending += 1
                 route(_Task(current, row, index, name, values))
                 index += 1
-                if len(current.names) == self.batch_size:
+                if len(current.names) == self.batch_size or (
+                    self.close_when_idle and source.empty() and (front is None or not front.pending)
+                ):
                     close(current)
                     current = None
             if current is not None:

@@ -100,15 +100,17 @@ def test_ready_line_names_the_url_model_and_plan(server):
 def test_ready_line_reports_the_batch_and_the_switch_interval_in_force(server):
     assert server.doc["max_batch"] == 64  # the pipeline's batch max_size
     assert server.doc["switch_interval_us"] == 500
+    assert server.doc["close_when_idle"] is True
 
 
 def test_max_batch_caps_the_batches_a_request_is_split_over(plan, images, tmp_path):
     s = Served(
-        ["--plan", str(plan), "--max-batch", "2", "--switch-interval-us", "2000"],
+        ["--plan", str(plan), "--max-batch", "2", "--switch-interval-us", "2000", "--wait-batches"],
         tmp_path / "serve.log",
     )
     try:
         assert s.doc["max_batch"] == 2 and s.doc["switch_interval_us"] == 2000
+        assert s.doc["close_when_idle"] is False
         want = nicoffload.run(PIPELINE, images, plan=plan).outputs["pixels"]
         res = s.client.infer(MODEL, [image_input(images)])
         assert res.as_numpy("pixels").tobytes() == want.tobytes()

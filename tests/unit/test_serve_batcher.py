@@ -110,3 +110,19 @@ def test_a_requests_parts_follow_its_item_through_the_executor_and_sum_to_server
     # consecutive intervals, each rounded to a microsecond on its own
     assert abs(sum(t[k] for k in parts) - t["server_us"]) <= len(parts)
     assert t["host_us"] > 0
+
+
+def test_closing_batches_when_idle_answers_a_lone_item_before_the_max_wait(tmp_path, images):
+    # a max wait of ten minutes: held open for it, the lone item's batch would outlast ask()
+    text = (ROOT / "pipelines" / "resnet50.yaml").read_text()
+    text = text.replace("max_wait_ms: 2}", "max_wait_ms: 600000}")
+    (tmp_path / "p.yaml").write_text(text)
+    (tmp_path / "cpu.yaml").write_text(CPU_ONLY)
+    session, batcher = serving(
+        prepare(tmp_path / "p.yaml", None, load_topology(tmp_path / "cpu.yaml"))
+    )
+    with session:
+        session.executor.close_when_idle = True
+        out = ask(batcher, [{"image": images[0]}])
+        batcher.stop(30)
+    assert out.status == 200 and out.timings["batches"] == 1
