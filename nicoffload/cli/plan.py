@@ -20,10 +20,10 @@ def _kb(n: float) -> str:
     return f"{n / 1e3:,.0f} KB"
 
 
-def render(plan: Plan, width: int = 120) -> list[Any]:
+def render(plan: Plan, width: int = 120, seconds: float | None = None) -> list[Any]:
     """The plan as rich renderables: placement, latency breakdown, loads, runner-up. The
     placement is a node x device table when that fits in `width` columns, else one row per
-    node with its device and the cheapest other one."""
+    node with its device and the cheapest other one. `seconds`: how long planning took."""
     from rich.table import Table
     from rich.text import Text
 
@@ -98,7 +98,7 @@ def render(plan: Plan, width: int = 120) -> list[Any]:
             )
         )
     if plan.search:
-        out.append(Text(search_line(plan.search)))
+        out.append(Text(search_line({**plan.search, "seconds": seconds})))
     ru = ex.get("runner_up")
     if ru:
         moved = ", ".join(f"{n} {a}->{b}" for n, (a, b) in ru["differs"].items())
@@ -234,6 +234,9 @@ def plan(
         with busy("reading the inputs' sizes"):
             typical = typical_of(pl, dir_items(pl, input_dir)[1])
         pl = priced_at(pl, typical)
+    import time
+
+    started = time.perf_counter()
     with busy(f"planning {len(pl.nodes)} nodes for {objective}"):
         the_plan = plan_for(
             pl,
@@ -245,6 +248,7 @@ def plan(
             explain=True,
             time_limit_s=time_limit,
         )
+    seconds = round(time.perf_counter() - started, 3)  # of this run: not part of the plan
     if typical:
         the_plan = dataclasses.replace(the_plan, notes=(*the_plan.notes, typical_note(typical)))
     if output is not None:
@@ -254,6 +258,7 @@ def plan(
     landing = gpudirect.for_plan(the_plan)  # this machine's check, not part of the saved plan
     if json_out:
         doc = the_plan.to_json()
+        doc["search"]["seconds"] = seconds  # the one figure of this run, not of the plan
         if landing:
             doc["gpu_destinations"] = landing
         emit_json(doc)
@@ -263,7 +268,7 @@ def plan(
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 120)
-    for part in render(the_plan, console.width):
+    for part in render(the_plan, console.width, seconds):
         console.print(part)
     for line, warning in landing_lines(landing):
         console.print(line)
@@ -292,7 +297,8 @@ def landing_lines(landing: list[dict], shown: int = 3) -> list[tuple[str, str | 
 
 
 def search_line(search: dict) -> str:
-    """'search: MILP (...), 4.31 s: proven optimal' and the like, from Plan.search."""
+    """'search: MILP (...), 4.31 s: proven optimal' and the like, from Plan.search and the
+    seconds it took (when given)."""
     gap, tie = search.get("gap"), search.get("tie_break_gap")
     if gap is None:
         what = "no bound proven (time limit)"
@@ -304,4 +310,7 @@ def search_line(search: dict) -> str:
         )
     else:
         what = "proven optimal"
-    return f"search: {search['method']}, {search['seconds']:.2f} s: {what}"
+    if search.get("stopped_at_time_limit") and (gap is not None and gap <= 1e-6):
+        what += " (time limit reached: among ties, another run may choose another)"
+    took = f", {search['seconds']:.2f} s" if search.get("seconds") is not None else ""
+    return f"search: {search['method']}{took}: {what}"

@@ -47,6 +47,12 @@ def highs_quiet() -> Iterator[None]:
         os.close(saved)
 
 
+def stopped_at_limit(res) -> bool:
+    """Whether HiGHS stopped at a limit: the time limit (scipy's status 1) or the node limit
+    (HiGHS's model status 16, which scipy does not name: its status 4 with that message)."""
+    return res.status == 1 or (res.status == 4 and "HiGHS Status 16" in str(res.message))
+
+
 @dataclass
 class Outcome:
     status: str  # optimal | feasible (at a limit) | found (no objective) | infeasible | unknown
@@ -56,6 +62,7 @@ class Outcome:
     bound: float  # proven lower bound of the objective (-inf when none)
     t: float = np.inf  # the solution's busiest resource, ms per item
     h: float = np.inf  # its host CPU ms per item
+    stopped: bool = False  # HiGHS stopped at a limit (its node limit, or the time left)
 
 
 class FlowProblem:
@@ -190,10 +197,12 @@ class FlowProblem:
         h_cap: float = np.inf,
         time_limit: float = 60.0,
         relax: bool = False,
+        nodes: int | None = None,
     ) -> Outcome:
-        """Minimize "T", "H" or nothing (feasibility) under the caps; `relax`: the LP."""
+        """Minimize "T", "H" or nothing (feasibility) under the caps; `relax`: the LP.
+        `nodes`: HiGHS's branch-and-bound node limit (None: none)."""
         integer = np.zeros(self.nv) if relax else self.integer
-        return self._solve(objective, t_cap, h_cap, time_limit, integer)
+        return self._solve(objective, t_cap, h_cap, time_limit, integer, nodes=nodes)
 
     def near(
         self,
@@ -202,6 +211,7 @@ class FlowProblem:
         t_cap: float,
         h_cap: float,
         time_limit: float,
+        nodes: int | None = None,
     ) -> Outcome:
         """A solution under the caps with as many copies of each class as `paths` have on each
         device at the `heavy` positions (per class, a bool per position): a far smaller
@@ -216,7 +226,8 @@ class FlowProblem:
                 if heavy[c][i]:
                     cols.append(col)
                     vals.append(float((devs[:, i] == d).sum()))
-        o = self.find(t_cap, h_cap, time_limit, pin=(np.array(cols, np.intp), np.array(vals)))
+        pin = (np.array(cols, np.intp), np.array(vals))
+        o = self.find(t_cap, h_cap, time_limit, pin=pin, nodes=nodes)
         if o.status == "infeasible":
             o.status = "unknown"
         return o
@@ -229,6 +240,7 @@ class FlowProblem:
         objective: str | None = None,
         pin: tuple[np.ndarray, np.ndarray] | None = None,
         presolve: bool = True,
+        nodes: int | None = None,
     ) -> Outcome:
         """A solution under the caps; with an `objective` ("T" or "H"), the least one.
         `presolve=False`: without HiGHS's presolve, which can call a feasible problem
@@ -238,21 +250,21 @@ class FlowProblem:
         copies for fixed counts is then quick. With the arcs fractional the problem is a
         relaxation: infeasible, it refutes the MILP; optimal, its value bounds the MILP's, and
         counts routed within that value are the MILP's optimum. Counts that cannot be routed
-        so are left to the whole MILP."""
+        so are left to the whole MILP.
+
+        `nodes` bounds each of HiGHS's searches by its node count: a deterministic limit,
+        unlike the time left, which only the caller's deadline may spend."""
         import time
 
         end = time.perf_counter() + time_limit
         integer = np.where(self.is_arc, 0.0, self.integer)
-        res = self._solve(
-            objective, t_cap, h_cap, time_limit, integer, fix=pin, raw=True, presolve=presolve
-        )
+        kw = {"presolve": presolve, "nodes": nodes}
+        res = self._solve(objective, t_cap, h_cap, time_limit, integer, fix=pin, raw=True, **kw)
         whole = (objective, t_cap, h_cap)  # the whole MILP's question, if it comes to that
         if isinstance(res, Outcome):
-            if res.status == "infeasible" or time.perf_counter() >= end:
+            if res.status == "infeasible" or res.stopped:
                 return res  # a relaxation that is infeasible: so is the MILP
-            return self._solve(
-                *whole, end - time.perf_counter(), self.integer, fix=pin, presolve=presolve
-            )
+            return self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin, **kw)
         bound, exact = -np.inf, objective is not None and res.status == 0
         if objective is not None:
             b = res.fun if exact else getattr(res, "mip_dual_bound", None)
@@ -263,22 +275,29 @@ class FlowProblem:
             caps = (min(t_cap, lim), h_cap) if objective == "T" else (t_cap, min(h_cap, lim))
         fix = np.concatenate(self.counts)
         counts = (fix, np.rint(res.x[fix]))
-        o = self._solve(
-            None, *caps, end - time.perf_counter(), self.integer, fix=counts, presolve=presolve
-        )
+        o = self._solve(None, *caps, end - time.perf_counter(), self.integer, fix=counts, **kw)
         if o.paths is not None:
             if objective is None:
                 return o
             value = o.t if objective == "T" else o.h
             status = "optimal" if exact else "feasible"
             return Outcome(status, o.paths, value, value if exact else bound, o.t, o.h)
-        o = self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin, presolve=presolve)
+        o = self._solve(*whole, end - time.perf_counter(), self.integer, fix=pin, **kw)
         if objective is not None and o.status != "optimal":
             o.bound = max(o.bound, bound)
         return o
 
     def _solve(
-        self, objective, t_cap, h_cap, time_limit, integer, fix=None, raw=False, presolve=True
+        self,
+        objective,
+        t_cap,
+        h_cap,
+        time_limit,
+        integer,
+        fix=None,
+        raw=False,
+        presolve=True,
+        nodes=None,
     ):
         if self.empty or t_cap < 0 or h_cap < 0:
             return Outcome("infeasible", None, np.inf, np.inf)
@@ -292,22 +311,23 @@ class FlowProblem:
         lb = np.zeros(self.nv)
         if fix is not None:
             lb[fix[0]] = ub[fix[0]] = fix[1]
+        options = {"mip_rel_gap": 1e-9, "time_limit": max(time_limit, 0.005), "presolve": presolve}
+        if nodes is not None:
+            options["node_limit"] = int(nodes)
         with highs_quiet():
             res = milp(
                 c,
                 constraints=[LinearConstraint(self.A, self.lo, self.hi)],
                 integrality=integer,
                 bounds=Bounds(lb, ub),
-                options={
-                    "mip_rel_gap": 1e-9,
-                    "time_limit": max(time_limit, 0.005),
-                    "presolve": presolve,
-                },
+                options=options,
             )
         bound = getattr(res, "mip_dual_bound", None)
         bound = -np.inf if bound is None or objective is None else float(bound) / self.scale
+        stopped = stopped_at_limit(res)
         if res.x is None:
-            return Outcome("infeasible" if res.status == 2 else "unknown", None, np.inf, bound)
+            status = "infeasible" if res.status == 2 else "unknown"
+            return Outcome(status, None, np.inf, bound, stopped=stopped)
         if raw:
             return res
         if not integer.any():
@@ -325,10 +345,11 @@ class FlowProblem:
         value = {"T": t, "H": h, None: 0.0}[objective]
         optimal = res.status == 0
         if objective is None:
-            return Outcome("found", self.paths(x), value, bound, t, h)
+            return Outcome("found", self.paths(x), value, bound, t, h, stopped)
         if optimal:
             bound = value
-        return Outcome("optimal" if optimal else "feasible", self.paths(x), value, bound, t, h)
+        status = "optimal" if optimal else "feasible"
+        return Outcome(status, self.paths(x), value, bound, t, h, stopped)
 
     def paths(self, x: np.ndarray) -> list[np.ndarray]:
         """Split each class's integer flow into one source-to-sink path per copy."""

@@ -31,6 +31,7 @@ class MilpResult:
     gap: float  # relative MIP gap HiGHS reports for the primary solve (0 when proven optimal)
     solves: int
     tie_gap: float = 0.0  # the same for the secondary (tie-break); inf when it was not run
+    cut: bool = False  # the time limit was reached: the search did not run to its end
 
 
 class _Builder:
@@ -263,7 +264,7 @@ def solve_nodes(
     nv = len(b.lb)
     A = coo_matrix((data, (ri, ci)), shape=(len(b.rows), nv)).tocsr()
     bounds = Bounds(np.array(b.lb), np.array(b.ub))
-    solves, gap, tie_gap, extra = 0, 0.0, np.inf, []
+    solves, gap, tie_gap, extra, cut = 0, 0.0, np.inf, [], False
     for which, key in enumerate((primary, secondary)):
         if which == 1 and gap > 1e-6:
             break  # ties of an unproven primary are not ties: keep its plan, say so
@@ -287,10 +288,11 @@ def solve_nodes(
             solves += 1
             if res.status not in (2, 4):
                 break
+        cut = cut or res.status == 1  # no node limit here: HiGHS stopped at the time limit
         if res.x is None:
             status = "infeasible" if res.status == 2 else f"failed: {res.message}"
             if which == 0:
-                return MilpResult(None, status, np.inf, solves)
+                return MilpResult(None, status, np.inf, solves, cut=cut)
             break
         best = res.x
         if which == 1:
@@ -304,7 +306,7 @@ def solve_nodes(
     for (v, d), col in x.items():
         if best[col] > 0.5:
             placement[v] = d
-    return MilpResult(placement, "optimal", gap, solves, tie_gap)
+    return MilpResult(placement, "optimal", gap, solves, tie_gap, cut)
 
 
 def _solve_branches(
@@ -335,4 +337,6 @@ def _solve_branches(
     result = solve_parallel(masked, goal, classes, limit, differ)
     if result is None:
         return None
-    return MilpResult(result.placement, result.status, result.gap, result.solves, result.tie_gap)
+    return MilpResult(
+        result.placement, result.status, result.gap, result.solves, result.tie_gap, result.cut
+    )

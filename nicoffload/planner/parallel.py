@@ -36,12 +36,18 @@ from nicoffload.planner.search import pack
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
 NARROW = 1e-3  # quick refutations narrow a load bound to this before a long search
 HEAVY = 1 / 8  # a node taking this much of the load cap anywhere it runs is heavy (_heavy)
-NEAR_S = 3.0  # the least time a search near a start (_Search.near) is given
 SKEW = 4  # bisect nearer the proven side: a refutation costs a fraction of a failed try
 CLOSE = 1e-2  # a packing this close to the bound is proven or bettered by one long search
-REFUTE_S = (0.02, 0.3)  # a quick refutation's time limit: the least and the most
-DIRECT_S = 0.1  # HiGHS alone first: small problems are solved outright in this time
-POLISH_S = 0.3  # the most one local search (search.py) may take
+# Work limits, never time: the search takes the same steps on an idle and on a loaded machine,
+# so the same inputs give the same plan; only the caller's deadline (--time-limit) may cut it,
+# and the result then says so (Result.cut).
+REFUTE_NODES = 100  # a quick try's HiGHS branch-and-bound nodes
+CONFIRM_NODES = 400  # an early re-check's (a deadline in the long search then leaves its gap)
+DIRECT_NODES = 200  # HiGHS alone first: small problems are solved outright within these
+DIRECT_ARCS = 400  # and only on problems of at most this many flow columns: HiGHS's root
+# node alone, which a node limit does not bound, took 0.4-7 s on the 50- and 200-node benches
+NEAR_NODES = 2000  # a search near a start (_Search.near)
+POLISH_STEPS = 400  # the most moves one local search (search.py) may make
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Result:
     gap: float  # relative gap left on the primary objective (0 when proven)
     solves: int
     tie_gap: float = 0.0  # the same for the secondary (tie-break) objective
+    cut: bool = False  # the deadline was reached: the search did not run to its end
 
 
 @dataclass
@@ -63,20 +70,26 @@ class _Stage:
 
 @dataclass
 class _Search:
-    """The classes, the flow problems built so far (one per latency bound), and the clock."""
+    """The classes, the flow problems built so far (one per latency bound), and the deadline:
+    every other limit is a count of work (module constants), so that only the deadline makes
+    the search depend on the clock."""
 
     model: object
     classes: list[Chains]
     deadline: float
     differ: list[np.ndarray] | None = None
     solves: int = 0
-    refute_s: float = REFUTE_S[0] * 3
-    long_s: float = 0.0  # the longest search (find) so far
     _suffixes: list | None = None
     _problems: dict = field(default_factory=dict)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
+
+    @property
+    def cut(self) -> bool:
+        """Whether the deadline has passed: HiGHS runs to at least its limit, so a call the
+        deadline stopped ends after it."""
+        return time.perf_counter() >= self.deadline
 
     def suffixes(self) -> list:
         if self._suffixes is None:
@@ -92,74 +105,68 @@ class _Search:
         return self._problems[bound]
 
     def solve(
-        self, bound: float, objective, t_cap=np.inf, h_cap=np.inf, relax=False, limit=np.inf
+        self, bound: float, objective, t_cap=np.inf, h_cap=np.inf, relax=False, nodes=None
     ) -> Outcome:
-        """A search to the deadline (or `limit` seconds)."""
+        """A search to the deadline (or `nodes` HiGHS nodes)."""
         self.solves += 1
         problem = self.problem(bound)
-        return problem.solve(objective, t_cap, h_cap, min(limit, self.left()), relax)
+        return problem.solve(objective, t_cap, h_cap, self.left(), relax, nodes)
 
     def find(self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None) -> Outcome:
         """Any solution under the caps, or the least `objective` (to the deadline)."""
         self.solves += 1
-        start = time.perf_counter()
-        o = self.problem(bound).find(t_cap, h_cap, self.left(), objective)
-        self.long_s = max(self.long_s, time.perf_counter() - start)
-        return o
+        return self.problem(bound).find(t_cap, h_cap, self.left(), objective)
 
     def near(self, bound: float, start: Outcome | None, t_cap: float, h_cap: float):
         """A packing under the caps that keeps the heavy positions' counts of `start` (see
-        FlowProblem.near), given NEAR_S or twice the longest search so far; None when there
-        is no start or no heavy position, or none is found."""
+        FlowProblem.near), within NEAR_NODES; None when there is no start or no heavy
+        position, or none is found."""
         if start is None or start.paths is None or self.differ is not None:
             return None
         heavy = [_heavy(self.model, ch, t_cap) for ch in self.classes]
         if not any(h.any() for h in heavy):
             return None
         self.solves += 1
-        limit = min(self.left(), max(NEAR_S, 2 * self.long_s))
-        o = self.problem(bound).near(start.paths, heavy, t_cap, h_cap, limit)
+        o = self.problem(bound).near(start.paths, heavy, t_cap, h_cap, self.left(), NEAR_NODES)
         return o if o.paths is not None else None
 
-    def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf) -> Outcome:
-        """A short try: "infeasible" is a proof, "found" a solution; "unknown" says nothing.
-        The time allowed follows how long proofs take here (3x the slowest, within bounds)."""
+    def refute(self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None) -> Outcome:
+        """A short try (REFUTE_NODES): "infeasible" is a proof, a packing a solution (with an
+        `objective`, the least one found within the nodes); "unknown" says nothing."""
         self.solves += 1
         problem = self.problem(bound)
-        start = time.perf_counter()
-        o = problem.find(t_cap, h_cap, min(self.refute_s, self.left()))
-        if o.status == "infeasible":
-            took = 3 * (time.perf_counter() - start)
-            self.refute_s = min(REFUTE_S[1], max(self.refute_s, took))
-        return o
+        return problem.find(t_cap, h_cap, self.left(), objective, nodes=REFUTE_NODES)
 
     def confirm(
-        self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None, limit=np.inf
+        self, bound: float, t_cap=np.inf, h_cap=np.inf, objective=None, nodes=None
     ) -> Outcome:
-        """A refutation re-checked without presolve, to the deadline (or `limit` seconds):
-        "infeasible" is then a proof, a packing one that presolve hid; anything else (out of
-        time) proves nothing.
+        """A refutation re-checked without presolve, to the deadline (or `nodes` HiGHS nodes):
+        "infeasible" is then a proof, a packing one that presolve hid; anything else (a limit)
+        proves nothing.
         With an `objective`, a quick feasibility try first: without presolve it is sometimes
         far quicker (throughput's proof: 0.06 s against 0.3-1.6), sometimes slower (2-4 s
         against 2 for host-cpu's)."""
         problem = self.problem(bound)
         if objective is not None:
             self.solves += 1
-            o = problem.find(t_cap, h_cap, min(self.refute_s, self.left()), presolve=False)
+            o = problem.find(t_cap, h_cap, self.left(), presolve=False, nodes=REFUTE_NODES)
             if o.status == "infeasible" or o.paths is not None:
                 return o
         self.solves += 1
-        return problem.find(t_cap, h_cap, min(limit, self.left()), objective, presolve=False)
+        return problem.find(t_cap, h_cap, self.left(), objective, presolve=False, nodes=nodes)
 
     def polish(self, o: Outcome | None, target: float, h_cap: float, bound: float):
         """`o`, or a less loaded packing within the same caps that the local search finds
-        from it. Not for a runner-up: the search cannot see `differ`."""
-        if o is None or o.paths is None or self.differ is not None or self.left() <= 0:
+        from it. For a runner-up, only one that still leaves `differ` somewhere (the search
+        cannot see it: without a polish a runner-up's search crept down 1% per quick try)."""
+        if o is None or o.paths is None or self.left() <= 0:
             return o
-        got = pack(
-            self.model, self.classes, o.paths, target, h_cap, bound, min(POLISH_S, self.left())
-        )
+        got = pack(self.model, self.classes, o.paths, target, h_cap, bound, steps=POLISH_STEPS)
         if got is None or got.t >= o.t:
+            return o
+        if self.differ is not None and all(
+            (p == path[None, :]).all() for p, path in zip(got.paths, self.differ, strict=True)
+        ):
             return o
         return Outcome("found", got.paths, 0.0, -np.inf, got.t, got.h)
 
@@ -191,7 +198,10 @@ def _min_h(s: _Search, bound: float, t_cap: float) -> _Stage:
 
 def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
     """Least busiest-resource load (see the module docstring)."""
-    o = s.solve(bound, "T", t_cap, h_cap, limit=DIRECT_S)  # small problems end here
+    if s.problem(bound).n_flow <= DIRECT_ARCS:  # small problems end here
+        o = s.solve(bound, "T", t_cap, h_cap, nodes=DIRECT_NODES)
+    else:
+        o = Outcome("unknown", None, np.inf, -np.inf)
     if o.status == "infeasible":
         o = s.confirm(bound, t_cap, h_cap, "T")
     if o.status == "infeasible":
@@ -273,7 +283,7 @@ def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
             continue
         if recheck and refuted and lo > sure:  # re-check the bound the long search starts
             # from, briefly: a deadline in that search then leaves the gap to it, not the LP's
-            o = s.confirm(bound, lo, h_cap, limit=s.refute_s)
+            o = s.confirm(bound, lo, h_cap, nodes=CONFIRM_NODES)
             if o.paths is not None:  # presolve hid it: lo may be false, sure is not
                 lo = sure
                 best = better(o)
@@ -372,7 +382,7 @@ def _min_latency(
         if recheck and sure < lo:  # re-check what the long search rests on now, so that
             # a deadline in it leaves the gap to cands[lo] rather than to the floor (the
             # final re-check, when the search finds cands[lo], is then this one)
-            o = s.confirm(float(cands[lo - 1]), t_cap, h_cap, limit=REFUTE_S[1])
+            o = s.confirm(float(cands[lo - 1]), t_cap, h_cap, nodes=CONFIRM_NODES)
             if o.paths is not None:  # presolve hid it: lo may be false, sure is not
                 best, best_l, lo, mid = o, s.latency(o.paths), sure, sure
                 continue
@@ -431,9 +441,9 @@ def solve_parallel(
     best = second.best if second.best is not None else first.best
     status = "optimal" if first.gap == 0 else "feasible"
     placed = placement(model, classes, best.paths)
-    return Result(placed, status, first.gap, s.solves, second.gap)
+    return Result(placed, status, first.gap, s.solves, second.gap, s.cut)
 
 
 def _none(first: _Stage, s: _Search) -> Result:
     status = "infeasible" if first.infeasible else "failed: time limit"
-    return Result(None, status, first.gap, s.solves)
+    return Result(None, status, first.gap, s.solves, cut=s.cut)

@@ -10,7 +10,6 @@ it returns is a placement like any other, judged by the same caps, and a miss sa
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,14 +66,14 @@ def pack(
     target: float,
     h_cap: float = np.inf,
     lat_cap: float = np.inf,
-    budget_s: float = 0.3,
+    steps: int = 400,
     seed: int = 0,
 ) -> Packing | None:
     """Lower the busiest resource's load towards `target`, host CPU within `h_cap`, every
     path's latency within `lat_cap` and memory within its limits. Starts from `start` (per
     class, (copies, length + 1) arcs); returns the least loaded placement within those caps
-    that it passed through (the start included), or None when it met none."""
-    end = time.perf_counter() + budget_s
+    that it passed through (the start included), or None when it met none. It takes at most
+    `steps` steps (a count, not a time: the same start gives the same packing on any machine)."""
     rng = np.random.default_rng(seed)
     mem_dev = np.flatnonzero(np.isfinite(model.mem_cap))
     cls = [_Class(model, ch, mem_dev) for ch in classes]
@@ -93,7 +92,9 @@ def pack(
     lat_w = 1.0
     best: Packing | None = None
     since = 0
-    while time.perf_counter() < end and since < STALL:
+    for _ in range(steps):
+        if since >= STALL:
+            break
         since += 1
         within = np.all(total <= hard) and max(float(x.max()) for x in lat) <= lat_cap
         if within and (best is None or total[:R].max() < best.t):

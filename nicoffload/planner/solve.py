@@ -50,17 +50,24 @@ def runner_up(
 ) -> tuple[np.ndarray | None, str | None]:
     """The best placement other than `best` (for a chain, the best over forcing one node
     elsewhere), and when there is none, why: none is feasible, or none was found in time."""
+    return _runner_up(model, goal, best, allowed, time_limit)[:2]
+
+
+def _runner_up(
+    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray, time_limit: float
+) -> tuple[np.ndarray | None, str | None, bool]:
+    """runner_up, and whether the time limit cut its search."""
     if not is_chain(model):
         from nicoffload.planner.milp import solve_milp
 
         if time_limit <= 0:
-            return None, "not searched: the time limit was spent on the plan"
+            return None, "not searched: the time limit was spent on the plan", True
         result = solve_milp(model, goal, allowed, best, time_limit)
         if result.placement is not None:
-            return result.placement, None
+            return result.placement, None, result.cut
         if result.status != "infeasible":
-            return None, f"none found in the {time_limit:.2g} s left of the time limit"
-        return None, INFEASIBLE
+            return None, f"none found in the {time_limit:.2g} s left of the time limit", True
+        return None, INFEASIBLE, result.cut
     found = []
     for v in range(model.n):
         for d in np.flatnonzero(allowed[v]):
@@ -72,12 +79,12 @@ def runner_up(
                 if p is not None:
                     found.append(p)
     if not found:
-        return None, INFEASIBLE
+        return None, INFEASIBLE, False
     from nicoffload.planner.evaluate import best_row
 
     P = np.array(found)
     i = best_row(evaluate(model, P), goal)
-    return (None, INFEASIBLE) if i is None else (P[i], None)
+    return (None, INFEASIBLE, False) if i is None else (P[i], None, False)
 
 
 def resolve_topology(topology: Topology | str | Path | None) -> Topology:
@@ -238,6 +245,9 @@ def plan_for(
     `time_limit_s` bounds the search: the plan, then the runner-up in what is left (reading the
     files, building the model and importing the solver come before it). A DAG's MILP that
     reaches it returns its best plan with a note giving the proven gap.
+    Every other limit of the search is a count of work, so the same inputs give the same plan
+    on an idle and on a loaded machine unless the time limit is reached, which the plan then
+    says (`plan.search["stopped_at_time_limit"]`, and a note). The plan holds no clock reading.
     The runtime runs every placement, so every plan is the best overall. `runnable` is accepted
     and ignored (it asked for the best plan of the shapes the runtime used to run; a no-op for
     one release, then removed).
@@ -266,7 +276,8 @@ def plan_for(
     )
     allowed = allowed_mask(pipeline, topo, model)
     notes = profile_notes(profiles)
-    timed_out = False
+    timed_out = cut = False
+    solves = 0
     gaps: tuple[float, float] = (0.0, 0.0)  # proven: the objective's, its tie-break's
     if chain:
         best = solve_chain(model, goal, allowed)
@@ -274,7 +285,7 @@ def plan_for(
         from nicoffload.planner.milp import solve_milp
 
         result = solve_milp(model, goal, allowed, time_limit=left())
-        best = result.placement
+        best, cut, solves = result.placement, result.cut, result.solves
         timed_out = best is None and result.status != "infeasible"
         gaps = (result.gap, result.tie_gap)
         if best is not None and result.gap > 1e-6:
@@ -296,6 +307,11 @@ def plan_for(
                 f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
                 f"is optimal, but among plans that tie on it its {SECONDARY[objective]} {proven}",
             )
+        elif best is not None and cut:
+            notes += (
+                f"the MILP reached its {time_limit_s:g} s time limit: this plan is proven "
+                "optimal, but among placements that tie with it another run may return another",
+            )
     if best is None and timed_out:
         raise PlanError(  # out of time, not a proof that nothing fits
             f"the MILP found no placement in its {time_limit_s:g} s time limit "
@@ -305,12 +321,23 @@ def plan_for(
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
+    runner_cut = False
     if explain:
         from nicoffload.planner.explain import explanation
 
-        second, missing = runner_up(model, goal, best, allowed, left())
+        second, missing, runner_cut = _runner_up(model, goal, best, allowed, left())
+        if runner_cut and second is not None:
+            plan = replace(
+                plan,
+                notes=(
+                    *plan.notes,
+                    f"the runner-up's search reached the {time_limit_s:g} s time limit: it is "
+                    "the best other placement found, not proven the best",
+                ),
+            )
         plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
-    return replace(plan, search=_search_record(chain, gaps, start, time_limit_s))
+    record = _search_record(chain, gaps, time_limit_s, solves, cut, runner_cut)
+    return replace(plan, search=record)
 
 
 def plan_placement(
@@ -341,9 +368,15 @@ def plan_placement(
 
 
 def _search_record(
-    chain: bool, gaps: tuple[float, float], start: float, time_limit_s: float
+    chain: bool,
+    gaps: tuple[float, float],
+    time_limit_s: float,
+    solves: int,
+    cut: bool,
+    runner_cut: bool,
 ) -> dict:
-    """Plan.search: how the placement was found and what is proven of it."""
+    """Plan.search: how the placement was found and what is proven of it. No clock reading:
+    the same inputs give the same record (`nicoffload plan` reports the seconds it took)."""
 
     def proven(gap: float) -> float | None:  # a gap of 1 or more bounds nothing
         return round(float(gap), 6) if gap < 1 else None
@@ -351,10 +384,12 @@ def _search_record(
     method = "dynamic programming" if chain else "MILP (scipy.optimize.milp, HiGHS)"
     return {
         "method": method,
-        "seconds": round(time.perf_counter() - start, 3),
         "time_limit_s": time_limit_s,
         "gap": proven(gaps[0]),
         "tie_break_gap": proven(gaps[1]) if gaps[0] <= 1e-6 else None,
+        "solves": solves,  # HiGHS calls: the work the search did
+        "stopped_at_time_limit": cut,  # the plan's search (the gaps say what is still proven)
+        "runner_up_stopped_at_time_limit": runner_cut,
     }
 
 

@@ -14,7 +14,7 @@ from nicoffload.planner.milp import solve_milp
 def test_a_false_infeasible_from_presolve_does_not_become_an_optimality_proof(monkeypatch):
     """With no direct solve, presolve calls the relaxation capped at 0.73957 ms infeasible
     (the optimum is 0.5941): the decisive refutation, re-checked, finds the better packing."""
-    monkeypatch.setattr(parallel, "DIRECT_S", 0.0)
+    monkeypatch.setattr(parallel, "DIRECT_NODES", 0)
     model = random_branches(2150332)
     goal = random_goal(model, 2150332)
     truth = _primary(model, goal, brute_force(model, goal)[0])

@@ -331,7 +331,7 @@ def test_the_packing_search_keeps_its_caps_and_never_returns_worse_than_its_star
     m0 = evaluate(model, placement(model, classes, start)[None, :])
     h_cap = float(m0.host[0]) * rng.uniform(0.5, 1.5)
     lat_cap = float(m0.latency[0]) * rng.uniform(0.5, 1.5)
-    got = pack(model, classes, start, 0.0, h_cap, lat_cap, budget_s=5.0, seed=seed)
+    got = pack(model, classes, start, 0.0, h_cap, lat_cap, steps=5000, seed=seed)
     start_ok = m0.ok[0] and m0.host[0] <= h_cap and m0.latency[0] <= lat_cap
     if got is None:
         assert not start_ok

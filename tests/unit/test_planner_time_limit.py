@@ -111,6 +111,8 @@ def test_a_cut_short_plan_claims_no_more_than_is_proven(instance, objective: str
     claim = re.search(r"this plan is proven within ([0-9.]+)% of the optimum", notes)
     gap = float(claim[1]) / 100 if claim else 0.0
     assert plan.search["gap"] == pytest.approx(gap, abs=5e-4)  # --json says it too
+    if claim:  # only the time limit cuts a search, and the plan says it did
+        assert plan.search["stopped_at_time_limit"] is True
     ours, theirs = float(getattr(mine, primary)[0]), float(getattr(later, primary)[0])
     assert theirs >= ours * (1 - gap - 1e-3) - 1e-9, (notes, ours, theirs)
     if claim or theirs > ours * (1 + 1e-6) + 1e-9:
