@@ -14,8 +14,34 @@ import numpy as np
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.fusion import applied
 
-OBJECTIVES = ("throughput", "latency", "host-cpu")
 REL_TOL = 1e-7
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What an objective minimizes, and what breaks its ties: each a Metrics field
+    ("bottleneck", "latency", "host"). Every solver and explain read them from here."""
+
+    name: str
+    primary: str
+    secondary: str
+
+    @property
+    def tie_break(self) -> str:
+        """The secondary as an objective's name, as plans and notes say it."""
+        return NAMES[self.secondary]
+
+
+NAMES = {"bottleneck": "throughput", "latency": "latency", "host": "host-cpu"}
+OBJECTIVE = {
+    o.name: o
+    for o in (
+        Objective("throughput", "bottleneck", "latency"),
+        Objective("latency", "latency", "bottleneck"),
+        Objective("host-cpu", "host", "bottleneck"),
+    )
+}
+OBJECTIVES = tuple(OBJECTIVE)
 
 
 @dataclass(frozen=True)
@@ -49,11 +75,8 @@ class Metrics:
 
     def keys(self, objective: str) -> tuple[np.ndarray, np.ndarray]:
         """(primary, secondary) per row; lower is better."""
-        return {
-            "throughput": (self.bottleneck, self.latency),
-            "latency": (self.latency, self.bottleneck),
-            "host-cpu": (self.host, self.bottleneck),
-        }[objective]
+        o = OBJECTIVE[objective]
+        return getattr(self, o.primary), getattr(self, o.secondary)
 
     def feasible(self, goal: Goal) -> np.ndarray:
         slack = 1 + REL_TOL

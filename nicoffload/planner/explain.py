@@ -9,11 +9,9 @@ from typing import Any
 import numpy as np
 
 from nicoffload.planner.cost import CostModel
-from nicoffload.planner.evaluate import REL_TOL, Goal, Metrics, evaluate, figures
+from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
 from nicoffload.topology import Topology
-
-SECONDARY = {"throughput": "latency", "latency": "throughput", "host-cpu": "throughput"}
 
 
 def _bandwidth(topology: Topology, hop: str) -> float:
@@ -124,7 +122,7 @@ def why_lost(
     p_best, _s_best = (float(k[0]) for k in best.keys(goal.objective))
     p_other, _s_other = (float(k[0]) for k in other.keys(goal.objective))
     tied = p_other <= p_best * (1 + REL_TOL) + 1e-12
-    lost_on = SECONDARY[goal.objective] if tied else goal.objective
+    lost_on = OBJECTIVE[goal.objective].tie_break if tied else goal.objective
     out: dict[str, Any] = {"lost_on": lost_on, "tied_on": goal.objective if tied else None}
     if lost_on == "throughput":
         k = int(np.argmax(other.load[0]))

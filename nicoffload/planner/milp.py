@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nicoffload.planner.cost import CostModel
-from nicoffload.planner.evaluate import REL_TOL, Goal
+from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal
 
 BIG = 1e9
 
@@ -208,8 +208,9 @@ def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.nd
         b.row({L: 1.0}, hi=goal.latency_cap)
     if exclude is not None:
         b.row({x[v, int(d)]: 1.0 for v, d in enumerate(exclude)}, hi=n - 1)
-    keys = {"throughput": (T, L), "latency": (L, T), "host-cpu": (H, T)}[goal.objective]
-    return b, x, keys
+    column = {"bottleneck": T, "latency": L, "host": H}
+    o = OBJECTIVE[goal.objective]
+    return b, x, (column[o.primary], column[o.secondary])
 
 
 def solve_milp(

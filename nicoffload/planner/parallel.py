@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nicoffload.planner.branches import Chains, suffixes
-from nicoffload.planner.evaluate import REL_TOL, Goal
+from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal
 from nicoffload.planner.flow import FlowProblem, Outcome, placement
 from nicoffload.planner.search import pack
 
@@ -417,31 +417,33 @@ def solve_parallel(
     """The lexicographically best placement (see evaluate.best_row), or None when a class has
     too many distinct latencies to search (the caller then uses the per-node MILP)."""
     s = _Search(model, classes, time.perf_counter() + time_limit, differ)
-    cap_t, cap_l = goal.max_load_ms, goal.latency_cap
+    o = OBJECTIVE[goal.objective]
+    caps = {"bottleneck": goal.max_load_ms, "latency": goal.latency_cap, "host": np.inf}
     try:
-        if goal.objective == "throughput":
-            first = _min_t(s, cap_l, cap_t, np.inf)
-            if first.best is None:
-                return _none(first, s)
-            t_star = first.value * (1 + REL_TOL) + 1e-12
-            second = _min_latency(s, min(cap_t, t_star), np.inf, cap_l, first.best)
-        elif goal.objective == "latency":
-            first = _min_latency(s, cap_t, np.inf, cap_l, None)
-            if first.best is None:
-                return _none(first, s)
-            second = _min_t(s, first.value, cap_t, np.inf)
-        else:
-            first = _min_h(s, cap_l, cap_t)
-            if first.best is None:
-                return _none(first, s)
-            h_star = first.value * (1 + REL_TOL) + 1e-12
-            second = _min_t(s, cap_l, cap_t, h_star)
+        first = _least(s, o.primary, caps, None)
+        if first.best is None:
+            return _none(first, s)
+        # the primary held at its optimum; a latency is one a path has, and the bucketed
+        # graphs already allow REL_TOL around a latency bound
+        held = first.value * (1 + REL_TOL) + 1e-12
+        caps[o.primary] = first.value if o.primary == "latency" else min(caps[o.primary], held)
+        second = _least(s, o.secondary, caps, first.best)
     except _TooBig:
         return None
     best = second.best if second.best is not None else first.best
     status = "optimal" if first.gap == 0 else "feasible"
     placed = placement(model, classes, best.paths)
     return Result(placed, status, first.gap, s.solves, second.gap, s.cut)
+
+
+def _least(s: _Search, metric: str, caps: dict[str, float], start: Outcome | None) -> _Stage:
+    """The stage that minimizes `metric` (a Metrics field) under the caps on the others."""
+    t_cap, lat_cap, h_cap = caps["bottleneck"], caps["latency"], caps["host"]
+    if metric == "bottleneck":
+        return _min_t(s, lat_cap, t_cap, h_cap)
+    if metric == "latency":
+        return _min_latency(s, t_cap, h_cap, lat_cap, start)
+    return _min_h(s, lat_cap, t_cap)
 
 
 def _none(first: _Stage, s: _Search) -> Result:

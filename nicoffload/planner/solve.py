@@ -18,7 +18,7 @@ from nicoffload.graph import Pipeline
 from nicoffload.planner import physical
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
-from nicoffload.planner.evaluate import OBJECTIVES, Goal, Metrics, evaluate, figures
+from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
 from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
 from nicoffload.profiles import Profile, load_profile
@@ -296,8 +296,6 @@ def plan_for(
             )
             notes += (f"the MILP stopped at its {time_limit_s:g} s time limit{proven}",)
         elif best is not None and result.tie_gap > 1e-6:
-            from nicoffload.planner.explain import SECONDARY
-
             proven = (
                 f"is proven only within {result.tie_gap:.1%} of the best"
                 if np.isfinite(result.tie_gap)
@@ -305,7 +303,7 @@ def plan_for(
             )
             notes += (
                 f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
-                f"is optimal, but among plans that tie on it its {SECONDARY[objective]} {proven}",
+                f"is optimal, but among plans that tie on it its {OBJECTIVE[objective].tie_break} {proven}",
             )
         elif best is not None and cut:
             notes += (
