@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib
 import json
 import logging
@@ -138,12 +139,14 @@ async def _serve(
             raise UserError(f"--grpc {ghost}:{gport}: {exc}") from None
         doc["grpc"] = f"{ghost if ':' not in ghost else f'[{ghost}]'}:{gbound}"
     doc.update(ready_doc)
-    sys.stdout.write(json.dumps(doc) + "\n")
-    sys.stdout.flush()
+    # the drain's handler is in place before the ready line: a SIGTERM that follows the line
+    # at once drains (it unwound the process, exit 143, in the window between the two)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     previous = signal.getsignal(signal.SIGTERM)  # `handle_errors`' (SIGTERM unwinds)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
 
     async def stream_ended() -> None:  # the pipeline failed: stop serving (exit 1 below)
         while not batcher.ended.is_set():
@@ -267,6 +270,11 @@ def serve(
         if hasattr(session.executor, "close_when_idle"):  # the general executor has no such
             session.executor.close_when_idle = not wait_batches
         batcher = Batcher(session, fn, max_queue)
+        # what setting up made (the kernels' compiled code, the plan, the modules) lives as
+        # long as the server: out of the collector's reach, a full collection under load
+        # walks only what requests make, not the whole heap
+        gc.collect()
+        gc.freeze()
         server = Server(pl, batcher, config, outputs)
         batcher.start()
         ready = {
@@ -278,6 +286,7 @@ def serve(
             "max_batch": pl.batch_max_size,
             "close_when_idle": bool(getattr(session.executor, "close_when_idle", False)),
             "switch_interval_us": round(sys.getswitchinterval() * 1e6),
+            "gc_frozen": gc.get_freeze_count(),
             "auth": "bearer" if token else "none",
         }
         try:

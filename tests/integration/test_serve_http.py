@@ -101,6 +101,7 @@ def test_ready_line_reports_the_batch_and_the_switch_interval_in_force(server):
     assert server.doc["max_batch"] == 64  # the pipeline's batch max_size
     assert server.doc["switch_interval_us"] == 500
     assert server.doc["close_when_idle"] is True
+    assert server.doc["gc_frozen"] > 10_000  # setting up's objects, out of the collector's reach
 
 
 def test_max_batch_caps_the_batches_a_request_is_split_over(plan, images, tmp_path):
