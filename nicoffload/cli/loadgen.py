@@ -116,7 +116,7 @@ def loadgen(
         help="draw latency against load and the stacked breakdown (PNG; extra 'plot')",
     ),
 ) -> None:
-    """Load an Open Inference Protocol endpoint with one item per request and report goodput, latency percentiles (p50/p90/p99/p99.9), errors by HTTP status, and the mean per-request breakdown the server returns (receive, queue, pipeline, model, and what it cannot attribute).
+    """Load an Open Inference Protocol endpoint with one item per request and report goodput, latency percentiles (p50/p90/p99/p99.9), errors by HTTP status, and the mean per-request breakdown (the client's and the server's measured parts, which sum to the end-to-end latency on one kernel; the same for the slowest 1%).
 
     Open loop: `--rate 100` (or `--rate 50,100,200` to sweep); a request's latency counts from when it was due. Closed loop: `--concurrency 4` without --rate.
     """
@@ -146,7 +146,9 @@ def loadgen(
     else:
         Console().print(table(doc))
         for r in runs:
+            at = r["offered_per_s"] or "closed loop"
             parts = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r["breakdown_ms"].items())
-            Console().print(
-                f"mean breakdown (ms) at {r['offered_per_s'] or 'closed loop'}: {parts}"
-            )
+            Console().print(f"mean breakdown (ms) at {at}: {parts}")
+            if r.get("tail_breakdown_ms"):
+                slow = ", ".join(f"{k[:-3]} {v:.2f}" for k, v in r["tail_breakdown_ms"].items())
+                Console().print(f"  the slowest 1% (mean {r['tail_latency_mean_ms']:.2f}): {slow}")

@@ -286,6 +286,14 @@ def test_loadgen_open_and_closed_loop_against_serve(server, token_file, tmp_path
     assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     closed = loadgen("--concurrency", "2")["runs"][0]
     assert closed["concurrency"] == 2 and closed["ok"] == closed["sent"] > 0
+    common = ["--duration", "0.5", "--sample", "2", "--token-file", str(token_file)]
+    text = subprocess.run(
+        [NICOFFLOAD, "loadgen", server.doc["url"], *common, "--concurrency", "1"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "mean breakdown (ms) at closed loop: client" in text and "the slowest 1%" in text
 
 
 @pytest.fixture
