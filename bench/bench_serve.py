@@ -219,6 +219,10 @@ def measure(
     at50, at80 = (r["latency_ms"]["p99"] for r in opened) if opened else (None, None)
     return {
         "placement": s.doc["placement"],
+        # serve's policies in force (absent from a serve older than them)
+        "serve_policy": {
+            k: s.doc.get(k) for k in ("max_batch", "close_when_idle", "switch_interval_us")
+        },
         "stages": s.doc["stages"],
         "predicted": s.doc["predicted"],
         "unloaded_p50_ms": p50,
@@ -231,6 +235,8 @@ def measure(
         "p99_at_50pct_ms": at50,
         "p99_at_80pct_ms": at80,
         "p99_at_50pct_over_unloaded_p50": None if not p50 or at50 is None else round(at50 / p50, 2),
+        # what the slowest 1% at 50% spent their time on (ms, mean per request)
+        "tail_at_50pct_ms": opened[0].get("tail_breakdown_ms") if opened else None,
         "serve_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / answered * 1e3, 3),
         "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
         "serve_exit": code,
