@@ -248,7 +248,9 @@ def plan(
             explain=True,
             time_limit_s=time_limit,
         )
-    seconds = round(time.perf_counter() - started, 3)  # of this run: not part of the plan
+    # this run's planning (reading the files and building the model included): not part of
+    # the plan, which is the same on every run
+    seconds = round(time.perf_counter() - started, 3)
     if typical:
         the_plan = dataclasses.replace(the_plan, notes=(*the_plan.notes, typical_note(typical)))
     if output is not None:

@@ -3,11 +3,12 @@
 For a min-max load HiGHS refutes a cap below the optimum in milliseconds (a resource's capacity
 bounds its integer counts: three decodes fit on this DPU, not four), while the search for a
 packing that meets the optimum takes far longer, and longer still when it must also prove it.
-So a load stage raises a proven lower bound with short tries, searches for a packing just
-above it, and proves what it found by refuting just below (as the least load under that cap,
-which HiGHS proves sooner than a bare feasibility question). Where no quick try refutes even
-a cap just above the bound, it asks at once for the least load below the best packing found,
-instead of proving cap after cap. A latency stage does the same over
+So a load stage raises a proven lower bound with short tries (a bounded number of HiGHS
+nodes: a count, never a time, so that a loaded machine plans the same), searches for a
+packing just above it, and proves what it found by refuting just below (as the least load
+under that cap, which HiGHS proves sooner than a bare feasibility question). Where no quick
+try refutes even a cap just above the bound, it asks at once for the least load below the
+best packing found, instead of proving cap after cap. A latency stage does the same over
 the latencies paths can have, each probe a flow problem bucketed at that bound. Tries and
 searches solve the counts first with the arcs fractional (FlowProblem.find). Each packing a
 load stage finds is polished by a local search (search.py) towards the proven bound, so one
