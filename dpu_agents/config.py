@@ -19,6 +19,8 @@ from nicoffload.errors import Mark, UserError
 from nicoffload.yamlmarks import did_you_mean
 
 MAX_DEDUP_WINDOW = 1 << 24
+WORKER_PROCESSES = ("auto", "on", "off")
+PROCESSES_FROM = 4  # cores: below, `auto` runs the kernels in threads
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class AgentConfig:
     listen: str = "127.0.0.1:7070"  # loopback unless told otherwise
     token_file: str = ""
     cores: int = 0  # 0: every core this process may run on
+    # The kernels in one worker process per core (on), or in threads of the agent (off); auto:
+    # processes from PROCESSES_FROM cores (threads share one GIL: bench/RESULTS.md).
+    worker_processes: str = "auto"
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint; empty: none
     metrics_remote: bool = False  # the operator's opt-in to a metrics address off loopback
     metrics_token_file: str = ""  # scrapes must send `Authorization: Bearer <its content>`
@@ -62,6 +67,12 @@ class AgentConfig:
     max_slot_bytes: int = 256 << 20  # one batch slot: batch size x the bytes forwarded per item
     log_level: str = "info"
 
+    def processes(self, cores: int) -> bool:
+        """Whether an agent of `cores` cores runs its kernels in worker processes."""
+        if self.worker_processes == "auto":
+            return cores >= PROCESSES_FROM
+        return self.worker_processes == "on"
+
     def replace(self, **changes: Any) -> AgentConfig:
         """A copy with the given (non-None) fields changed and checked."""
         changes = {k: v for k, v in changes.items() if v is not None}
@@ -85,6 +96,12 @@ def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
             raise UserError(f"'{name}' must be at least 1, got {getattr(cfg, name)}", mark)
     if cfg.cores < 0:
         raise UserError(f"'cores' must be >= 0, got {cfg.cores}", mark)
+    if cfg.worker_processes not in WORKER_PROCESSES:
+        raise UserError(
+            f"'worker_processes' must be one of {', '.join(WORKER_PROCESSES)}, "
+            f"got {cfg.worker_processes!r}",
+            mark,
+        )
     for name in _FIELDS:
         if name.endswith("_s") and getattr(cfg, name) <= 0:
             raise UserError(f"'{name}' must be positive, got {getattr(cfg, name)}", mark)

@@ -7,6 +7,7 @@ Whatever arrives is checked before it is used. A malformed or unexpected frame g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import socket
@@ -354,6 +355,14 @@ class Connection(Ingress):
                 forward_timeout=self.cfg.forward_timeout_s,
                 dedup_window=self.cfg.dedup_window,
                 account=self.account,
+                source=[
+                    yaml_text,
+                    plan_text,
+                    load.stage,
+                    load.batch_max_size,
+                    load.batch_max_wait_ms,
+                ],
+                config=dataclasses.asdict(self.cfg),
             )
         except BaseException:
             sender.close()

@@ -31,6 +31,7 @@ from dpu_agents.connection import WRONG_TOKEN, Connection
 from dpu_agents.logs import Tally, log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.metrics_http import MetricsServer
+from dpu_agents.procs import ProcPool
 from dpu_agents.session import WorkerPool
 from nicoffload.agent import auth
 from nicoffload.errors import NicoffloadError, UserError
@@ -85,7 +86,10 @@ class Agent:
             if config.metrics:
                 self._http = _metrics_server(config, self.metrics)
                 self.metrics_address = self._http.address
-            self.pool = WorkerPool(config.cores or len(os.sched_getaffinity(0)))
+            cores = config.cores or len(os.sched_getaffinity(0))
+            self.pool: WorkerPool | ProcPool = (
+                ProcPool(cores) if config.processes(cores) else WorkerPool(cores)
+            )
         except BaseException:
             if self._http is not None:
                 self._http.close()
@@ -170,6 +174,10 @@ class Agent:
     def stats(self) -> dict[str, Any]:
         doc = self.metrics.snapshot()
         doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
+        doc["pool"] = {
+            "kind": "processes" if isinstance(self.pool, ProcPool) else "threads",
+            "restarts": self.pool.restarts() if isinstance(self.pool, ProcPool) else 0,
+        }
         conns = self.admission.sessions()
         sessions = [(c.peer, c.session) for c in conns if c.session is not None]
         doc["sessions"] = {
@@ -340,7 +348,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML file (see agent.example.toml); flags override it")
     p.add_argument("--listen", help="HOST:PORT to listen on (default 127.0.0.1:7070; port 0: any)")
     p.add_argument("--token-file", help="file holding the shared secret (mode 600)")
-    p.add_argument("--cores", type=int, help="pin to N cores and run N worker threads")
+    p.add_argument("--cores", type=int, help="pin to N cores and run N workers")
+    p.add_argument(
+        "--worker-processes",
+        choices=["auto", "on", "off"],
+        help="run the kernels in one process per core (on), in threads (off), or in processes "
+        "from 4 cores on (auto, the default)",
+    )
     p.add_argument("--metrics", help="HOST:PORT of the Prometheus endpoint (loopback by default)")
     p.add_argument(
         "--metrics-remote",
@@ -388,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             listen=args.listen,
             token_file=args.token_file,
             cores=args.cores,
+            worker_processes=args.worker_processes,
             metrics=args.metrics,
             metrics_remote=args.metrics_remote,
             metrics_token_file=args.metrics_token_file,

@@ -10,6 +10,7 @@ reading -> the client's `submit` blocks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -20,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from dpu_agents import budget
+from dpu_agents import budget, procs
 from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
+from dpu_agents.seen import SeenIds
 from dpu_agents.stagebuild import Built
 from nicoffload.errors import AgentError, ItemError, TransportError
 from nicoffload.runtime.batch import SLOT_OVERFLOW, UNWRITTEN
@@ -33,68 +35,7 @@ from nicoffload.transport.slots import ALIGN
 log = logging.getLogger("dpu_agents.session")
 BATCHES_IN_FLIGHT = 3  # batch slots per session: one filling, one running, one being sent
 _END = object()
-
-
-class SeenIds:
-    """The request ids a session admitted, for exactly-once delivery. A client numbers its
-    requests in increasing order, so the newest id and one bit for each of the `span` ids below
-    it tell a repeat apart; an id older than that is taken as seen. span / 8 bytes however many
-    requests come (a dict of the last 1 M ids was 80 MB)."""
-
-    def __init__(self, span: int) -> None:
-        self.span, self.high = span, -1
-        self._bits = bytearray(-(-span // 8))
-
-    def add(self, rid: int) -> bool:
-        """Remember `rid`; False if it was seen (or is too old to tell)."""
-        if rid > self.high:
-            self._clear(self.high + 1, rid)  # the ids coming into the window: none seen yet
-            self.high = rid
-        elif rid <= self.high - self.span:
-            return False
-        byte, bit = divmod(rid % self.span, 8)
-        if self._bits[byte] >> bit & 1:
-            return False
-        self._bits[byte] |= 1 << bit
-        return True
-
-    def add_range(self, first: int, n: int) -> list[bool]:
-        """`add` of first .. first+n-1: at once when they are all newer than any seen (a
-        client's next frame), else one by one."""
-        if first <= self.high or n > self.span:
-            return [self.add(rid) for rid in range(first, first + n)]
-        last = first + n - 1
-        self._clear(self.high + 1, last)
-        self.high = last
-        start = first % self.span
-        self._fill_bits(start, min(start + n, self.span), True)
-        self._fill_bits(0, start + n - self.span, True)
-        return [True] * n
-
-    def _clear(self, lo: int, hi: int) -> None:
-        """Forget the bits of ids lo..hi (their places held ids that fell out of the window)."""
-        n = hi - lo + 1
-        if n >= self.span:
-            self._bits[:] = bytes(len(self._bits))
-            return
-        start = lo % self.span
-        self._clear_bits(start, min(start + n, self.span))
-        self._clear_bits(0, start + n - self.span)
-
-    def _clear_bits(self, a: int, b: int) -> None:
-        self._fill_bits(a, b, False)
-
-    def _fill_bits(self, a: int, b: int, on: bool) -> None:
-        """Bits a .. b-1 set (`on`) or cleared."""
-        bits = self._bits
-        while a < b and a & 7:
-            bits[a >> 3] = bits[a >> 3] | (1 << (a & 7)) if on else bits[a >> 3] & ~(1 << (a & 7))
-            a += 1
-        while a < b and b & 7:
-            b -= 1
-            bits[b >> 3] = bits[b >> 3] | (1 << (b & 7)) if on else bits[b >> 3] & ~(1 << (b & 7))
-        if a < b:
-            bits[a >> 3 : b >> 3] = (b"\xff" if on else b"\x00") * ((b - a) >> 3)
+_KEYS = itertools.count(1)  # a session's name in the worker processes
 
 
 FAILED_DETAILS = 6_000  # bytes of per-id reasons and details in one batch's meta
@@ -201,10 +142,10 @@ class _Rows:
     (`next` on the shared iterator is atomic under the GIL): a hand-off per worker and batch,
     not per item, and the rows still spread over every worker as they free up."""
 
-    __slots__ = ("batch", "left")
+    __slots__ = ("batch", "left", "n")
 
     def __init__(self, batch: _Batch, rows: list[tuple[int, dict[str, Any]]]) -> None:
-        self.batch, self.left = batch, iter(rows)
+        self.batch, self.left, self.n = batch, iter(rows), len(rows)
 
 
 class Session:
@@ -223,7 +164,12 @@ class Session:
         forward_timeout: float,
         dedup_window: int,
         account: budget.Account | None = None,
+        source: list[Any] | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
+        """`source` ([yaml, plan, stage, batch_max_size, batch_max_wait_ms]: what LOAD built
+        `built` from) and `config` (the agent's, as a dict) build the stage in the pool's
+        worker processes too, when it has them."""
         self.built, self.sender, self.pool, self.metrics = built, sender, pool, metrics
         self.name = built.stage.plan.name
         self._on_credit, self._on_fatal = on_credit, on_fatal
@@ -238,7 +184,15 @@ class Session:
                 "left: lower the batch size, or try when other sessions have closed"
             )
         self.decode_cost = budget.decode_costs(built)
-        self._ring = SlotRing(built.out_specs, built.batch_max_size, BATCHES_IN_FLIGHT)
+        self.key = next(_KEYS)
+        self._segment = None
+        self.in_processes = getattr(pool, "processes", False)
+        try:
+            self._ring = self._slots(source, config)
+        except BaseException:
+            if account is not None:
+                account.release(budget.BATCH, self.slot_bytes)
+            raise
         self._ingress: queue.Queue[Any] = queue.Queue()
         self._formed: queue.Queue[Any] = queue.Queue()
         self._seen = SeenIds(dedup_window)
@@ -253,6 +207,26 @@ class Session:
         ]
         for t in self._threads:
             t.start()
+
+    def _slots(self, source: list[Any] | None, config: dict[str, Any] | None) -> SlotRing:
+        """The batch slots: in shared memory, and the stage built in every worker process,
+        when the pool runs kernels in processes; else arrays of this process."""
+        b = self.built
+        if not self.in_processes:
+            return SlotRing(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
+        if source is None or config is None:
+            raise AgentError("a pool of worker processes needs the stage's source and config")
+        seg, layout = procs.shared_slots(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
+        try:
+            assert seg.array is not None
+            msg = ["load", self.key, source, config, [seg.name, seg.array.size], layout]
+            self.pool.load(self.key, msg)
+        except BaseException:
+            seg.close()
+            raise
+        self._segment = seg
+        arrays = procs.slot_views(seg, layout)
+        return SlotRing(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT, arrays=arrays)
 
     # --- ingress ---------------------------------------------------------------------------
 
@@ -305,6 +279,9 @@ class Session:
             t.join(5.0)
         if self._account is not None:
             self._account.release(budget.BATCH, self.slot_bytes)
+        if self._segment is not None:  # the workers forget the stage, then its slots go
+            self.pool.drop(self.key)
+            self._segment.close()
 
     # --- batching and running --------------------------------------------------------------
 
@@ -370,6 +347,9 @@ class Session:
     def _run(self, job: _Rows) -> None:
         """Run rows of the job's batch until none is left; the rows' stamps, the batch's
         count, the stage's step times and the metrics are updated once, at the end."""
+        if self.in_processes:
+            procs.run_rows(self, job)
+            return
         stage = self.built.stage
         batch = job.batch
         slot = batch.slot

@@ -207,16 +207,24 @@ def child_pids(pid: int) -> list[int]:
 
 
 def agent_cpu_s() -> float:
-    """CPU seconds of this process's local agents (children running dpu_agents.server)."""
+    """CPU seconds of this process's local agents (children running dpu_agents.server), their
+    worker processes included."""
 
     total = 0.0
     for pid in child_pids(os.getpid()):
         try:
             if b"dpu_agents.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                total += process_cpu_s(pid)
+                total += tree_cpu_s(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and of the processes it started that are alive (an agent and
+    its worker processes)."""
+
+    return process_cpu_s(pid) + sum(tree_cpu_s(c) for c in child_pids(pid))
 
 
 def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | None:

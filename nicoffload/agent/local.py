@@ -30,6 +30,7 @@ class LocalAgent:
         *,
         listen: str = "127.0.0.1:0",
         cores: int | None = None,
+        worker_processes: str | None = None,
         metrics: str | None = None,
         config: str | Path | None = None,
         prefix: list[str] | None = None,
@@ -42,6 +43,8 @@ class LocalAgent:
         cmd += ["--listen", listen, "--token-file", str(token_file)]
         if cores:
             cmd += ["--cores", str(cores)]
+        if worker_processes:
+            cmd += ["--worker-processes", worker_processes]
         if metrics:
             cmd += ["--metrics", metrics]
         if config:

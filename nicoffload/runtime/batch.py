@@ -19,7 +19,8 @@ UNWRITTEN = "unwritten"  # the reason of a row that no stage wrote: a runtime fa
 # Rows the DPU agent did not run, which the host then runs itself (never item errors):
 DRAINING = "agent_draining"  # the agent refused it: it shuts down
 SLOT_OVERFLOW = "slot_overflow"  # its outputs did not fit the receiver's slot beside its batch
-ON_HOST = (DRAINING, SLOT_OVERFLOW)
+WORKER_LOST = "agent_worker_lost"  # the agent's worker process running it died (it restarts)
+ON_HOST = (DRAINING, SLOT_OVERFLOW, WORKER_LOST)
 
 
 @dataclass(frozen=True)

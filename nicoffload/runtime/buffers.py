@@ -44,15 +44,29 @@ class BatchSlot:
 class SlotRing:
     """`count` slots allocated once; `take()` blocks until one is free, `give()` returns it."""
 
-    def __init__(self, specs: dict[str, TensorSpec], batch: int, count: int) -> None:
+    def __init__(
+        self,
+        specs: dict[str, TensorSpec],
+        batch: int,
+        count: int,
+        arrays: list[dict[str, np.ndarray]] | None = None,
+    ) -> None:
+        """`arrays`: each slot's static outputs where they are to live (shared memory), else
+        allocated here."""
         self._free: queue.Queue[BatchSlot] = queue.Queue()
         self._all: list[BatchSlot] = []
         for i in range(count):
-            arrays = {
-                k: np.zeros((batch, *s.shape), dtype=s.dtype) for k, s in specs.items() if s.static
-            }
+            own = (
+                arrays[i]
+                if arrays is not None
+                else {
+                    k: np.zeros((batch, *s.shape), dtype=s.dtype)
+                    for k, s in specs.items()
+                    if s.static
+                }
+            )
             ragged = {k: [None] * batch for k, s in specs.items() if not s.static}
-            self._all.append(BatchSlot(i, arrays, ragged, Stamps([*arrays, *ragged], batch)))
+            self._all.append(BatchSlot(i, own, ragged, Stamps([*own, *ragged], batch)))
         self.reset()
 
     def reset(self) -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dpu_agents.metrics import Metrics
-from dpu_agents.session import SeenIds
+from dpu_agents.seen import SeenIds
 
 
 @pytest.mark.parametrize("span", [1, 7, 64, 1000])

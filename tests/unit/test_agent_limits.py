@@ -14,8 +14,9 @@ from prometheus_client import generate_latest
 
 from dpu_agents.config import load_config, may_forward
 from dpu_agents.metrics import MAX_LABELS, Metrics
+from dpu_agents.seen import SeenIds
 from dpu_agents.server import AuthLimit
-from dpu_agents.session import SeenIds, failed_meta
+from dpu_agents.session import failed_meta
 from nicoffload.errors import SpecError, UserError
 from nicoffload.graph import load_pipeline
 from nicoffload.ops.tokenize import tokenizer_by_id
