@@ -48,8 +48,10 @@ BATCH = 64
 
 
 def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """The agent's CPU seconds, its worker processes' included."""
+    from nicoffload.profiling import tree_cpu_s
+
+    return tree_cpu_s(pid)
 
 
 class Sink:
@@ -161,7 +163,10 @@ def measure(name: str, args: argparse.Namespace, images: list[bytes], token: Pat
     plan = Plan(pipeline.name, dict(place), stages, transfers, topology="bench")
     prefix = ["taskset", "-c", args.agent_cpus]
     items = [{"image": b} for b in images]
-    with LocalAgent(token, cores=len(_cpus(args.agent_cpus)), prefix=prefix) as agent:
+    cores = len(_cpus(args.agent_cpus))
+    with LocalAgent(
+        token, cores=cores, worker_processes=args.worker_processes, prefix=prefix
+    ) as agent:
         client = AgentClient(agent.address, auth.read_token(token), timeout=60)
         where = {"shm": f"shm://bench-gil-{os.getpid()}"}.get(args.transport, "tcp://127.0.0.1:0")
         slot = BATCH * 375 * 500 * 3 + (1 << 20)  # decode only sends the full-size images
@@ -255,6 +260,9 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp", choices=("tcp", "shm"))
     ap.add_argument("--host-cpus", default="0", help="this process's cores (taskset list)")
     ap.add_argument("--agent-cpus", default="1", help="the agent's cores: one worker each")
+    ap.add_argument(
+        "--worker-processes", choices=("auto", "on", "off"), help="the agent's (default: auto)"
+    )
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--spy", nargs="*", default=[], help="more py-spy record flags (--native)")
     ap.add_argument("--tiny", action="store_true", help="32x24 JPEGs, resize 16, crop 8 (`tiny`)")

@@ -58,7 +58,7 @@ from nicoffload.topology import local_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
-NICOFFLOAD = str(Path(sys.executable).parent / "nicoffload")
+NICOFFLOAD = [sys.executable, "-m", "nicoffload"]  # also where no console script is installed
 CONCURRENCY = (2, 4, 8, 16)
 SWEEP = (0.3, 0.45, 0.6, 0.75, 0.9, 1.0)  # shares of the closed loop's best goodput
 KEPT_UP = 0.95
@@ -69,7 +69,7 @@ class Serve:
 
     def __init__(self, plan: Path, log: Path) -> None:
         self.proc = subprocess.Popen(
-            [NICOFFLOAD, "serve", str(PIPELINE), "--plan", str(plan), "--listen", "127.0.0.1:0"],
+            [*NICOFFLOAD, "serve", str(PIPELINE), "--plan", str(plan), "--listen", "127.0.0.1:0"],
             stdout=subprocess.PIPE,
             stderr=log.open("w"),
             cwd=ROOT,
