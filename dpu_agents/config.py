@@ -31,6 +31,7 @@ class AgentConfig:
     # The kernels in one worker process per core (on), or in threads of the agent (off); auto:
     # processes from PROCESSES_FROM cores (threads share one GIL: bench/RESULTS.md).
     worker_processes: str = "auto"
+    worker_timeout_s: float = 120.0  # a worker process silent this long on rows is killed
     metrics: str = ""  # HOST:PORT of the Prometheus endpoint; empty: none
     metrics_remote: bool = False  # the operator's opt-in to a metrics address off loopback
     metrics_token_file: str = ""  # scrapes must send `Authorization: Bearer <its content>`

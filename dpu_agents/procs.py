@@ -124,8 +124,12 @@ class WorkerGone(Exception):
 class Proc:
     """The agent's side of one worker process, used by one thread at a time (`lock`)."""
 
-    def __init__(self, index: int, loads: Callable[[], list[list[Any]]]) -> None:
-        self.index, self._loads = index, loads
+    def __init__(
+        self, index: int, loads: Callable[[], list[list[Any]]], run_s: float = 120.0
+    ) -> None:
+        """`run_s`: how long a call on rows may take before the worker is taken as stuck
+        (stopped, or in a kernel that does not return) and killed."""
+        self.index, self._loads, self.run_s = index, loads, run_s
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.link: Link | None = None
@@ -172,8 +176,13 @@ class Proc:
 
     def _call(self, msg: list[Any]) -> list[Any]:
         assert self.link is not None
+        self.link.sock.settimeout(LOAD_S if msg[0] == "load" else self.run_s)
         self.link.send(msg)
-        return self.link.recv()
+        try:
+            return self.link.recv()
+        except TimeoutError:
+            limit = self.link.sock.gettimeout()
+            raise WorkerGone(f"no answer to {msg[0]} within {limit} s") from None
 
     @staticmethod
     def _expect(reply: list[Any], what: str) -> None:
@@ -241,12 +250,12 @@ class ProcPool:
 
     processes = True
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, run_s: float = 120.0) -> None:
         self.n = n
         self._loads: dict[int, list[Any]] = {}
         self._loads_lock = threading.Lock()
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.procs = [Proc(i, self.loads) for i in range(n)]
+        self.procs = [Proc(i, self.loads, run_s) for i in range(n)]
         self._threads = [
             threading.Thread(
                 target=self._work, args=(p,), name=f"agent-worker-{p.index}", daemon=True

@@ -88,7 +88,9 @@ class Agent:
                 self.metrics_address = self._http.address
             cores = config.cores or len(os.sched_getaffinity(0))
             self.pool: WorkerPool | ProcPool = (
-                ProcPool(cores) if config.processes(cores) else WorkerPool(cores)
+                ProcPool(cores, config.worker_timeout_s)
+                if config.processes(cores)
+                else WorkerPool(cores)
             )
         except BaseException:
             if self._http is not None:

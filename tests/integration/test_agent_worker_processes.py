@@ -6,6 +6,7 @@ held and is started again, and nothing is left behind when the agent stops.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -148,3 +149,31 @@ def test_nothing_is_left_behind_when_the_agent_stops(tmp_path):
             or b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
         )
     assert segments() <= before
+
+
+def test_a_stopped_worker_process_is_killed_after_worker_timeout_s_and_its_rows_run_on_host(
+    tmp_path,
+):
+    token = tmp_path / "agent.token"
+    auth.write_token(token)
+    config = tmp_path / "agent.toml"
+    config.write_text("worker_timeout_s = 2.0\n")
+    path = "pipelines/resnet50.yaml"
+    pipeline = pinned(path, {}, tmp_path, "base")
+    items = corpus(pipeline, 200)
+    with LocalAgent(token, cores=2, worker_processes="on", config=config) as a:
+        a.token_file = token
+        want = run(pipeline, items, single_device_plan(pipeline, "cpu"), a)
+        pins = {n.name: "dpu" for n in pipeline.nodes}
+        plan = plan_for(pinned(path, pins, tmp_path, "all"), agent_topology(a))
+        run(pipeline, items[:8], plan, a)  # loaded and warm
+        victim = workers_of(a)[0]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            got = run(pipeline, items, plan, a)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+        assert_same_run(got, want, "a worker process stopped")
+        assert stats(a)["pool"]["restarts"] >= 1
+        assert victim not in workers_of(a)
