@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -251,7 +252,7 @@ class ProcPool:
     processes = True
 
     def __init__(self, n: int, run_s: float = 120.0) -> None:
-        self.n = n
+        self.n, self.run_s = n, run_s
         self._loads: dict[int, list[Any]] = {}
         self._loads_lock = threading.Lock()
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -287,29 +288,43 @@ class ProcPool:
                 log.exception("worker task failed")
 
     def load(self, key: int, msg: list[Any]) -> None:
-        """Build a stage in every worker (in parallel); AgentError if one cannot."""
+        """Build a stage in every worker (in parallel). AgentError if a worker cannot build
+        it, or if none is there to; a worker that dies, or is still silent `run_s` after the
+        first has built it (stopped, stuck), is killed: it builds the stage again when it is
+        restarted, on its next rows."""
         with self._loads_lock:
             self._loads[key] = msg
         errors: list[str] = []
+        lost: list[str] = []
+        built = threading.Event()
 
         def one(p: Proc) -> None:
             with p.lock:
                 try:
                     reply = p.call(msg)
                 except WorkerGone as exc:
-                    errors.append(str(exc))
+                    lost.append(str(exc))
                     return
-            if reply[0] != "ok":
+            if reply[0] == "ok":
+                built.set()
+            else:
                 errors.append(str(reply[1]))
 
-        threads = [threading.Thread(target=one, args=(p,)) for p in self.procs]
-        for t in threads:
+        threads = {p: threading.Thread(target=one, args=(p,), daemon=True) for p in self.procs}
+        for t in threads.values():
             t.start()
-        for t in threads:
-            t.join()
-        if errors:
+        while not built.wait(0.05) and any(t.is_alive() for t in threads.values()):
+            pass
+        deadline = time.monotonic() + self.run_s
+        for p, t in threads.items():
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive() and p.proc is not None:  # silent while the others built it
+                p.proc.kill()
+                t.join()
+        if errors or len(lost) == len(self.procs):
             self.drop(key)
-            raise AgentError(f"the stage could not be built in a worker process: {errors[0]}")
+            why = errors[0] if errors else lost[0]
+            raise AgentError(f"the stage could not be built in a worker process: {why}")
 
     def drop(self, key: int) -> None:
         with self._loads_lock:

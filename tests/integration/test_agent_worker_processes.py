@@ -166,14 +166,16 @@ def test_a_stopped_worker_process_is_killed_after_worker_timeout_s_and_its_rows_
         want = run(pipeline, items, single_device_plan(pipeline, "cpu"), a)
         pins = {n.name: "dpu" for n in pipeline.nodes}
         plan = plan_for(pinned(path, pins, tmp_path, "all"), agent_topology(a))
-        run(pipeline, items[:8], plan, a)  # loaded and warm
+        run(pipeline, items[:8], plan, a)  # the kernels in numba's cache
         victim = workers_of(a)[0]
-        os.kill(victim, signal.SIGSTOP)
+        os.kill(victim, signal.SIGSTOP)  # before the LOAD: the others build it, and run
         try:
             got = run(pipeline, items, plan, a)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGCONT)
         assert_same_run(got, want, "a worker process stopped")
+        assert got.stats.failover is None
         assert stats(a)["pool"]["restarts"] >= 1
         assert victim not in workers_of(a)
+        assert_same_run(run(pipeline, items, plan, a), want, "after it was restarted")
