@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 
 from dpu_agents.logs import log_event
-from nicoffload.errors import AgentError
+from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import TensorSpec
 from nicoffload.runtime.batch import WORKER_LOST
 from nicoffload.transport.shm import Segment
@@ -238,12 +238,17 @@ class Proc:
 
 
 def _at_least(seg: Segment | None, n: int, what: str) -> Segment:
+    """`seg` if it holds n bytes, else a new one; WorkerGone (its rows go to the host) when
+    shared memory has no room for it."""
     if seg is not None and seg.array is not None and seg.array.size >= n:
         return seg
     if seg is not None:
         seg.close()
     size = 1 << (max(n, 1 << 20) - 1).bit_length()
-    return Segment(f"nicoffload-{what}-{secrets.token_hex(8)}", size, create=True)
+    try:
+        return Segment(f"nicoffload-{what}-{secrets.token_hex(8)}", size, create=True)
+    except TransportError as exc:
+        raise WorkerGone(str(exc)) from None
 
 
 class ProcPool:
@@ -302,9 +307,12 @@ class ProcPool:
             with p.lock:
                 try:
                     reply = p.call(msg)
-                except WorkerGone as exc:
-                    lost.append(str(exc))
-                    return
+                except WorkerGone:  # found dead (it died while idle): once more, restarted
+                    try:
+                        reply = p.call(msg)
+                    except WorkerGone as exc:
+                        lost.append(str(exc))
+                        return
             if reply[0] == "ok":
                 built.set()
             else:
@@ -392,7 +400,8 @@ def run_rows(session: Any, job: Any) -> None:
                 session.metrics.error(reason)
         except WorkerGone as exc:  # a row it did not answer for is sent unwritten
             failed = {row: (WORKER_LOST, str(exc)) for row, _ in rows}
-            session.metrics.error(WORKER_LOST)
+            for _ in rows:
+                session.metrics.error(WORKER_LOST)
         except Exception as exc:  # a bug here fails the rows, never the session
             detail = f"{type(exc).__name__}: {exc}"
             failed = {row: ("internal", detail) for row, _ in rows}

@@ -216,7 +216,10 @@ class Session:
             return SlotRing(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
         if source is None or config is None:
             raise AgentError("a pool of worker processes needs the stage's source and config")
-        seg, layout = procs.shared_slots(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
+        try:
+            seg, layout = procs.shared_slots(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
+        except TransportError as exc:  # /dev/shm too small: the LOAD is refused, saying so
+            raise AgentError(f"the stage's batch slots: {exc}") from None
         try:
             assert seg.array is not None
             msg = ["load", self.key, source, config, [seg.name, seg.array.size], layout]

@@ -7,6 +7,7 @@ twice is an error, and asking for a missing kernel lists what exists (torchvisio
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,7 @@ class _Registry:
     ops: dict[str, OpDef] = field(default_factory=dict)
     kernels: dict[tuple[tuple[str, ...], str], Kernel] = field(default_factory=dict)
     loaded: bool = False
+    done: bool = False  # every op module imported
 
 
 _REG = _Registry()
@@ -329,11 +331,20 @@ def kernel(
     return deco
 
 
+_LOADING = threading.RLock()  # re-entrant: the op modules' imports reach _load again
+
+
 def _load() -> None:
-    if not _REG.loaded:
-        _REG.loaded = True
-        for mod in OP_MODULES:
-            importlib.import_module(f"nicoffload.ops.{mod}")
+    """Import every op module once. Another thread waits until they are all in (a second
+    LOAD arriving while the first imported them saw half the ops: "unknown op 'normalize'")."""
+    if _REG.done:
+        return
+    with _LOADING:
+        if not _REG.loaded:
+            _REG.loaded = True  # what this thread's own nested calls see
+            for mod in OP_MODULES:
+                importlib.import_module(f"nicoffload.ops.{mod}")
+            _REG.done = True
 
 
 def get_op(name: str) -> OpDef | None:

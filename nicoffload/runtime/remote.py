@@ -238,7 +238,7 @@ class RemoteFront:
             if not ok_tasks:
                 self.receiver.release(d)
         for task, detail in back:
-            on_host([task], self.refusing or f"an item did not fit the transfer: {detail}")
+            on_host([task], self.refusing or f"the agent did not run it: {detail}")
         on_rows(ok_tasks, ok_rows, d.tensors, bad, release)
 
     def row_values(self, tensors: Mapping[str, Any], row: int) -> dict[str, Any]:

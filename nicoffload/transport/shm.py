@@ -51,6 +51,13 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                try:  # the pages now: a full /dev/shm is ENOSPC here, not SIGBUS on first touch
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    raise TransportError(
+                        f"shared memory {name!r}: cannot reserve {size} bytes ({exc}); "
+                        "is /dev/shm large enough?"
+                    ) from exc
             else:
                 _check_private(name, os.fstat(fd), size)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
