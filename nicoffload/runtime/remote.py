@@ -22,7 +22,7 @@ from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import Pipeline
 from nicoffload.planner.physical import leaving  # noqa: F401  (the executor imports it here)
 from nicoffload.planner.plan import Plan, StagePlan
-from nicoffload.runtime.batch import DRAINING, ON_HOST
+from nicoffload.runtime.batch import DRAINING, ON_HOST, SLOT_OVERFLOW, WORKER_LOST
 from nicoffload.topology import Device
 from nicoffload.transport import Delivery, Receiver
 
@@ -225,7 +225,7 @@ class RemoteFront:
                 elif why[0] in ON_HOST:
                     if why[0] == DRAINING:  # the agent is shutting down: it takes no more
                         self.refusing = self.refusing or f"the agent is draining: {why[1]}"
-                    back.append((task, why[1]))
+                    back.append((task, why))
                 else:
                     bad.append((task, tuple(why)))
         if self.landing is not None:
@@ -237,8 +237,9 @@ class RemoteFront:
             release = _Release(self.receiver, d, len(ok_tasks))
             if not ok_tasks:
                 self.receiver.release(d)
-        for task, detail in back:
-            on_host([task], self.refusing or f"the agent did not run it: {detail}")
+        for task, (reason, detail) in back:
+            said = _BACK.get(reason, "the agent did not run it")
+            on_host([task], self.refusing or f"{said}: {detail}")
         on_rows(ok_tasks, ok_rows, d.tensors, bad, release)
 
     def row_values(self, tensors: Mapping[str, Any], row: int) -> dict[str, Any]:
@@ -308,6 +309,10 @@ def cores_apart(taken: list[int]) -> Iterator[list[int]]:
 # host, which may have room; what the host then refuses too fails as it does in an all-host run.
 # Counted as the DPU stage's items taken back to the host, with this reason.
 RERUN_ON_HOST = frozenset({"too_large"})
+_BACK = {  # why the host runs a row the agent sent back (batch.ON_HOST)
+    SLOT_OVERFLOW: "an item did not fit the transfer",
+    WORKER_LOST: "the agent lost the worker process running it",
+}
 RERUN_WHY = "the agent refused items as too large for it"
 
 
