@@ -38,20 +38,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
-TICK = os.sysconf("SC_CLK_TCK")
 PLACEMENTS = {  # node -> device of each placement measured
     "split": {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"},
     "decode": {"decode": "dpu0", "resize": "cpu", "crop": "cpu", "norm": "cpu"},
     "all": {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "dpu0"},
 }
 BATCH = 64
-
-
-def proc_cpu_s(pid: int) -> float:
-    """The agent's CPU seconds, its worker processes' included."""
-    from nicoffload.profiling import tree_cpu_s
-
-    return tree_cpu_s(pid)
 
 
 class Sink:
@@ -155,6 +147,7 @@ def measure(name: str, args: argparse.Namespace, images: list[bytes], token: Pat
     from nicoffload.agent.local import LocalAgent
     from nicoffload.graph import load_pipeline
     from nicoffload.planner.plan import Plan, stages_for
+    from nicoffload.procstat import tree_cpu_s
     from nicoffload.transport import listen
 
     pipeline = load_pipeline(args.pipeline)
@@ -182,9 +175,9 @@ def measure(name: str, args: argparse.Namespace, images: list[bytes], token: Pat
             sink = Sink(rx)
             rid = send(client, sink, items, 0, 1)  # warm: kernels, coefficient caches
             k0 = client.stats()["kernels"]
-            cpu0, t0 = proc_cpu_s(agent.pid), time.perf_counter()
+            cpu0, t0 = tree_cpu_s(agent.pid), time.perf_counter()
             rid2 = send(client, sink, items, rid, args.rounds)
-            wall, cpu = time.perf_counter() - t0, proc_cpu_s(agent.pid) - cpu0
+            wall, cpu = time.perf_counter() - t0, tree_cpu_s(agent.pid) - cpu0
             stats = client.stats()
             timed = rid2 - rid
             kernels = _kernels_delta(k0, stats["kernels"])

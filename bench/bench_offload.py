@@ -36,7 +36,7 @@ import nicoffload
 from nicoffload.graph import with_typical
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
-from nicoffload.profiling import agent_cpu_s
+from nicoffload.procstat import agent_cpu_s
 from nicoffload.sizes import typical_of
 from nicoffload.topology import local_topology
 

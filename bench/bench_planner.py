@@ -75,13 +75,19 @@ def topology_yaml() -> str:
 def bench_instance(branches: int):
     """(pipeline, topology, catalog) of the bench: kernels for every op on every kind, the
     fused resize-crop-normalize chain on each."""
+    return instance(pipeline_yaml(branches), topology_yaml())
+
+
+def instance(pipeline_text: str, topology_text: str):
+    """(pipeline, topology, catalog) of a pipeline's and a topology's YAML, with the bench's
+    catalog (bench_planner_50 uses it too)."""
     from nicoffload.graph import load_pipeline
     from nicoffload.planner.cost import Catalog
     from nicoffload.topology import load_topology
 
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "p.yaml").write_text(pipeline_yaml(branches))
-        (Path(tmp) / "t.yaml").write_text(topology_yaml())
+        (Path(tmp) / "p.yaml").write_text(pipeline_text)
+        (Path(tmp) / "t.yaml").write_text(topology_text)
         pipeline = load_pipeline(Path(tmp) / "p.yaml")
         topo = load_topology(Path(tmp) / "t.yaml")
     fused = {k: (("resize", "center_crop", "normalize"),) for k in ("cpu", "dpu", "gpu")}

@@ -21,12 +21,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_planner import IMAGE_OPS
+from bench_planner import instance
 
 CAMERAS, TOKENIZERS = 12, 2
 
@@ -85,24 +84,7 @@ def topology_yaml() -> str:
 def bench_instance(cameras: str = "same"):
     """(pipeline, topology, catalog): kernels for every op on every kind, the fused
     resize-crop-normalize chain on each (as bench_planner.py)."""
-    from nicoffload.graph import load_pipeline
-    from nicoffload.planner.cost import Catalog
-    from nicoffload.topology import load_topology
-
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "p.yaml").write_text(pipeline_yaml(cameras))
-        (Path(tmp) / "t.yaml").write_text(topology_yaml())
-        pipeline = load_pipeline(Path(tmp) / "p.yaml")
-        topo = load_topology(Path(tmp) / "t.yaml")
-    fused = {k: (("resize", "center_crop", "normalize"),) for k in ("cpu", "dpu", "gpu")}
-    catalog = Catalog(
-        {
-            **{op: frozenset({"cpu", "dpu", "gpu"}) for op in IMAGE_OPS},
-            "tokenize": frozenset({"cpu", "dpu"}),
-        },
-        fused,
-    )
-    return pipeline, topo, catalog
+    return instance(pipeline_yaml(cameras), topology_yaml())
 
 
 def _proven(search: dict) -> str:

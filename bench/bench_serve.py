@@ -51,7 +51,7 @@ from bench_prediction import loadavg, typical_jpegs
 import nicoffload
 from nicoffload.planner import plan_for, plan_placement
 from nicoffload.planner.plan import Plan
-from nicoffload.profiling import child_pids, process_cpu_s
+from nicoffload.procstat import child_pids, process_cpu_s, tree_cpu_s
 from nicoffload.serve import loadgen as lg
 from nicoffload.serve.kserve import HEADER_LENGTH
 from nicoffload.topology import local_topology
@@ -84,7 +84,9 @@ class Serve:
 
     def cpu(self) -> tuple[float, float]:
         """(serve's CPU s, its agents' CPU s)."""
-        return process_cpu_s(self.proc.pid), sum(process_cpu_s(a) for a in self.agents)
+        return process_cpu_s(self.proc.pid), sum(
+            tree_cpu_s(a) for a in self.agents
+        )  # their worker processes too
 
     def stop(self) -> int:
         if self.proc.poll() is None:

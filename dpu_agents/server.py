@@ -177,8 +177,8 @@ class Agent:
         doc = self.metrics.snapshot()
         doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
         doc["pool"] = {
-            "kind": "processes" if isinstance(self.pool, ProcPool) else "threads",
-            "restarts": self.pool.restarts() if isinstance(self.pool, ProcPool) else 0,
+            "kind": "processes" if self.pool.processes else "threads",
+            "restarts": self.pool.restarts(),
         }
         conns = self.admission.sessions()
         sessions = [(c.peer, c.session) for c in conns if c.session is not None]

@@ -69,6 +69,8 @@ def failed_meta(ids: list[int], failed: dict[int, tuple[str, str]]) -> dict[str,
 class WorkerPool:
     """`n` threads running the items of every session; the kernels release the GIL."""
 
+    processes = False  # procs.ProcPool's are
+
     def __init__(self, n: int) -> None:
         self.n = n
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -84,6 +86,9 @@ class WorkerPool:
 
     def depth(self) -> int:
         return self._tasks.qsize()
+
+    def restarts(self) -> int:
+        return 0  # threads are not restarted
 
     def _work(self) -> None:
         while (task := self._tasks.get()) is not None:
@@ -186,7 +191,7 @@ class Session:
         self.decode_cost = budget.decode_costs(built)
         self.key = next(_KEYS)
         self._segment = None
-        self.in_processes = getattr(pool, "processes", False)
+        self.in_processes = pool.processes
         try:
             self._ring = self._slots(source, config)
         except BaseException:

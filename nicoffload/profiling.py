@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from nicoffload.kerneltime import RING, busy_ms
+from nicoffload.procstat import agent_cpu_s
 from nicoffload.profiles import KernelCost, LinkCost, Profile
 
 # batch payload sizes (bytes) and how many batches of each; quick: fewer of the large ones
@@ -182,49 +183,6 @@ def measure_runtime(*, quick: bool = False) -> float:
     n = 512 if quick else 2048
     cpu, stats, _, _, _ = _probe("runtime_probe", "cpu", time.process_time, quick=quick)
     return max(0.0, _per_item_us(cpu, stats, n))
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process of this machine; 0 when it is gone."""
-
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes `pid`'s threads started (from /proc)."""
-
-    out: list[int] = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(c) for c in children.read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
-
-
-def agent_cpu_s() -> float:
-    """CPU seconds of this process's local agents (children running dpu_agents.server), their
-    worker processes included."""
-
-    total = 0.0
-    for pid in child_pids(os.getpid()):
-        try:
-            if b"dpu_agents.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                total += tree_cpu_s(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process and of the processes it started that are alive (an agent and
-    its worker processes)."""
-
-    return process_cpu_s(pid) + sum(tree_cpu_s(c) for c in child_pids(pid))
 
 
 def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | None:

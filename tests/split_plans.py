@@ -33,3 +33,17 @@ def agent_topology(agent: Any) -> Topology:
     cpu = Device("cpu", "cpu", 1, 1.0)
     link = Link("dpu0", "cpu", "tcp", 1e9, 0.0, 0.0)
     return Topology("test", (cpu, dpu), (link,), ingress="dpu0", egress="cpu", source="test")
+
+
+def run_on_agent(pipeline: Any, items: Any, plan: Plan, agent: Any) -> Any:
+    """`nicoffload.run` of `plan` with `agent` (a LocalAgent with its `token_file`) as dpu0."""
+    import nicoffload
+
+    return nicoffload.run(
+        pipeline,
+        items,
+        plan=plan,
+        topology=agent_topology(agent),
+        token_file=agent.token_file,
+        workers=2,
+    )

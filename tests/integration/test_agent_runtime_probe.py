@@ -7,8 +7,9 @@ import os
 
 import pytest
 
+from nicoffload.procstat import agent_cpu_s
 from nicoffload.profiles import LinkCost
-from nicoffload.profiling import agent_cpu_s, measure_agent_runtime
+from nicoffload.profiling import measure_agent_runtime
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="one core: no agent beside the host"

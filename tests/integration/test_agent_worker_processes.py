@@ -16,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from equivalence import assert_same_run, corpus, pinned
-from split_plans import agent_topology
+from split_plans import agent_topology, run_on_agent
 
-import nicoffload
 from nicoffload.agent import auth
 from nicoffload.agent.client import AgentClient
 from nicoffload.agent.local import LocalAgent
 from nicoffload.errors import PlanError
 from nicoffload.planner import plan_for
 from nicoffload.planner.plan import single_device_plan
-from nicoffload.profiling import child_pids
+from nicoffload.procstat import child_pids
 
 SHIPPED = ["pipelines/resnet50.yaml", "pipelines/bert.yaml", "pipelines/clip.yaml"]
 
@@ -43,15 +42,7 @@ def agent(tmp_path_factory):
         yield a
 
 
-def run(pipeline, items, plan, agent):
-    return nicoffload.run(
-        pipeline,
-        items,
-        plan=plan,
-        topology=agent_topology(agent),
-        token_file=agent.token_file,
-        workers=2,
-    )
+run = run_on_agent
 
 
 def workers_of(agent) -> list[int]:

@@ -16,9 +16,8 @@ import pytest
 from equivalence import assert_same_run, corpus, pinned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from split_plans import agent_topology
+from split_plans import agent_topology, run_on_agent
 
-import nicoffload
 from nicoffload.agent import auth
 from nicoffload.agent.local import LocalAgent
 from nicoffload.errors import PlanError
@@ -40,15 +39,7 @@ def agent(tmp_path_factory):
 topology_for = agent_topology
 
 
-def run(pipeline, items, plan, agent):
-    return nicoffload.run(
-        pipeline,
-        items,
-        plan=plan,
-        topology=topology_for(agent),
-        token_file=agent.token_file,
-        workers=2,
-    )
+run = run_on_agent
 
 
 def plans_of(path: str, folder, agent) -> dict[str, object]:
