@@ -8,7 +8,8 @@ batcher, one readiness, one drain, one token, the same checks and the same reaso
 An HTTP status becomes a gRPC code (`CODE_OF_STATUS`; a full queue's 503 is RESOURCE_EXHAUSTED,
 a draining server's UNAVAILABLE). The request's size is bounded by grpc's own max message size
 (RESOURCE_EXHAUSTED past it); the call's gRPC deadline is its deadline, the tighter of it and
-Triton's `timeout` parameter. The other RPCs of the service (statistics, repository, shared
+Triton's `timeout` parameter. A response carries the HTTP endpoint's timing parameters (the
+per-request breakdown, `Server.timings`) as its parameters. The other RPCs of the service (statistics, repository, shared
 memory, trace, logging) are not served: UNIMPLEMENTED, grpcio's default.
 """
 
@@ -19,11 +20,13 @@ import time
 from typing import Any
 
 import grpc
+import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from nicoffload.serve import kserve_pb
+from nicoffload.serve import kserve, kserve_pb
 from nicoffload.serve.batcher import Outcome
-from nicoffload.serve.server import Server, with_timeout
+from nicoffload.serve.clock import now_ns
+from nicoffload.serve.server import INLINE_BYTES, Server, with_timeout
 
 S = grpc.StatusCode
 CODE_OF_STATUS = {
@@ -83,25 +86,35 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=self.server.is_ready)
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        arrived = time.perf_counter()
+        arrived, arrived_ns = time.perf_counter(), now_ns()
         await self._authorize(context)
         remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
 
         async def read() -> kserve_pb.InferRequest:
-            req = await asyncio.get_running_loop().run_in_executor(
-                None, kserve_pb.infer_request, request, self.server.batcher.max_queue
-            )
+            args = (request, self.server.batcher.max_queue)
+            if request.ByteSize() <= INLINE_BYTES:  # as HTTP's: a thread hop costs more
+                req = kserve_pb.infer_request(*args)
+            else:
+                req = await loop.run_in_executor(None, kserve_pb.infer_request, *args)
             if remaining is not None:  # the call's deadline, counted from its arrival
                 req = with_timeout(req, max(1, int(remaining * 1e6)))
             return req
 
         req, outcome = await self.server.answer(request.model_name, read, arrived)
+        resumed = time.perf_counter()
         if req is None or outcome.outputs is None:
             await context.abort(code_of(outcome), outcome.error or "")
         assert req is not None and outcome.outputs is not None
-        return kserve_pb.infer_response(
-            self.server.config.model_name, req, outcome.outputs, outcome.timings
-        )
+        args = (self.server.config.model_name, req, outcome.outputs)
+        names = kserve.answered_outputs(req, outcome.outputs)
+        if sum(np.asarray(outcome.outputs[k]).nbytes for k in names) <= INLINE_BYTES:
+            resp = kserve_pb.infer_response(*args)
+        else:  # off the event loop: encoding a large response must not hold up the others
+            resp = await loop.run_in_executor(None, kserve_pb.infer_response, *args)
+        # the same timing parameters as HTTP's (`Server.timings`): the breakdown over gRPC
+        params = self.server.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
+        return kserve_pb.add_parameters(resp, params)
 
 
 async def start(server: Server, host: str, port: int) -> tuple[grpc.aio.Server, int]:

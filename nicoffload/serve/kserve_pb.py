@@ -100,19 +100,30 @@ def infer_response(
     model: str,
     req: InferRequest,
     outputs: Mapping[str, np.ndarray],
-    parameters: Mapping[str, int],
+    parameters: Mapping[str, int | str] | None = None,
 ) -> Any:
     """A ModelInferResponse: the outputs the request names (or all), each in
-    raw_output_contents; the timing breakdown as int64 parameters."""
+    raw_output_contents; the timing breakdown as its parameters (`add_parameters`)."""
     service_pb2 = pb()
     resp = service_pb2.ModelInferResponse(model_name=model, model_version="1", id=req.id or "")
-    for k, v in parameters.items():
-        resp.parameters[k].int64_param = int(v)
     for name in kserve.answered_outputs(req, outputs):
         arr = np.asarray(outputs[name])
         datatype, data = kserve.encode_raw(arr)
         resp.outputs.add(name=name, datatype=datatype, shape=list(arr.shape))
         resp.raw_output_contents.append(data)
+    return add_parameters(resp, parameters or {})
+
+
+def add_parameters(resp: Any, parameters: Mapping[str, bool | int | str]) -> Any:
+    """`resp` with `parameters` set: a whole number as int64_param, a string as string_param,
+    a bool as bool_param (the time encoding took can be among them: they go in after)."""
+    for k, v in parameters.items():
+        if isinstance(v, bool):
+            resp.parameters[k].bool_param = v
+        elif isinstance(v, str):
+            resp.parameters[k].string_param = v
+        else:
+            resp.parameters[k].int64_param = int(v)
     return resp
 
 

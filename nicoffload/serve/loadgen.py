@@ -1,5 +1,6 @@
 """A load generator for an Open Inference Protocol endpoint (`nicoffload serve`, or any server
-with one BYTES input): open loop (Poisson arrivals at a rate, every request sent at its time
+with one BYTES input), over HTTP (aiohttp) or gRPC (grpcio's asyncio client, a URL
+`grpc://HOST:PORT`): open loop (Poisson arrivals at a rate, every request sent at its time
 whatever the server does) or closed loop (C clients, each sending its next request when its
 last is answered); what it measured, summarized (`summarize`), and plotted (`plot`).
 
@@ -10,10 +11,11 @@ falls behind its schedule counts against the server (no coordinated omission).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,7 @@ PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p99.9": 99.9}
 # order, answer, resume.
 PARTS = (
     "client_us",  # loadgen: from when the request was due to when it began to send it
-    "request_us",  # sent -> the server's handler began (connect, send, aiohttp's parsing)
+    "request_us",  # sent -> the server's handler began (connect, send, aiohttp's or grpc's parsing)
     "receive_us",
     "queue_us",
     "admit_us",
@@ -46,16 +48,20 @@ PARTS = (
     "answer_us",
     "resume_us",
     "encode_us",
-    "response_us",  # the server handed the response to aiohttp -> loadgen read its last byte
+    "response_us",  # the server handed the response to aiohttp (grpc) -> loadgen read it
 )
+GRPC = "grpc://"
+# the RPC that loadgen sends its requests to, serialized once each (`grpc_request_body`)
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @dataclass(frozen=True)
 class Result:
-    """One request: its status (0: no response, the connection failed), latency and the
-    timing breakdown the server put in the response's parameters."""
+    """One request: its status (HTTP's; 0: no response, the connection failed; over gRPC 200
+    for OK, else the gRPC code's name, "UNAVAILABLE"), latency and the timing breakdown the
+    server put in the response's parameters."""
 
-    status: int
+    status: int | str
     latency_s: float
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -102,7 +108,10 @@ def summarize(
         "goodput_per_s": round(len(ok) / duration_s, 3) if duration_s > 0 else 0.0,
         "errors_by_status": {
             str(k): v
-            for k, v in sorted(Counter(r.status for r in results if r.status != 200).items())
+            for k, v in sorted(
+                Counter(r.status for r in results if r.status != 200).items(),
+                key=lambda kv: str(kv[0]),
+            )
         },
         "latency_ms": {
             k: (round(float(np.percentile(lat_ms, q)), 3) if len(ok) else None)
@@ -145,38 +154,104 @@ def request_body(input_name: str, elements: list[bytes]) -> tuple[bytes, dict[st
     return head + data, {HEADER_LENGTH: str(len(head)), "Content-Type": "application/octet-stream"}
 
 
-async def _send(
-    session: Any, url: str, body: bytes, headers: dict[str, str], start: float, clock: str = ""
-) -> Result:
-    """One request; `start` (perf_counter) is when it was due. With the server on this
-    kernel's clock (`clock`, its responses' `clock` parameter), the way there and back is
-    measured from its `arrived_ns` and `server_us`."""
+def grpc_request_body(model: str, input_name: str, elements: list[bytes]) -> bytes:
+    """A gRPC ModelInferRequest of one BYTES input (raw_input_contents), serialized."""
+    from nicoffload.serve import kserve_pb
+
+    service_pb2 = kserve_pb.pb()
+    msg = service_pb2.ModelInferRequest(model_name=model)
+    msg.inputs.add(name=input_name, datatype="BYTES", shape=[len(elements)])
+    msg.raw_input_contents.append(pack_bytes(elements))
+    return msg.SerializeToString()
+
+
+def _timings(
+    params: dict[str, Any], clock: str, start: float, sent: float, sent_ns: int, done_ns: int
+) -> dict[str, float]:
+    """A response's timing parameters with loadgen's own parts: `client_us`, and with the
+    server on this kernel's clock (`clock`, its responses' `clock` parameter) the way there
+    and back, measured from its `arrived_ns` and `server_us`."""
+    timings = {
+        k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    timings["client_us"] = round((sent - start) * 1e6)
+    if clock and params.get("clock") == clock and "arrived_ns" in timings:
+        left_ns = timings["arrived_ns"] + timings.get("server_us", 0) * 1000
+        timings["request_us"] = round((timings["arrived_ns"] - sent_ns) / 1e3)
+        timings["response_us"] = round((done_ns - left_ns) / 1e3)
+    timings.pop("arrived_ns", None)
+    return timings
+
+
+Send = Callable[[Any, float], Awaitable[Result]]  # (a request body, when it was due) -> Result
+
+
+@contextlib.asynccontextmanager
+async def _http(
+    url: str, token: str | None, connections: int, timeout_s: float
+) -> AsyncIterator[Send]:
     import aiohttp
 
-    sent, sent_ns = time.perf_counter(), now_ns()
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    clock = clock_id()
+    connector = aiohttp.TCPConnector(limit=connections)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def send(request: tuple[bytes, dict[str, str]], start: float) -> Result:
+            body, headers = request
+            sent, sent_ns = time.perf_counter(), now_ns()
+            try:
+                async with session.post(url, data=body, headers=headers | auth) as resp:
+                    raw = await resp.read()
+                    latency, done_ns = time.perf_counter() - start, now_ns()
+                    timings: dict[str, float] = {}
+                    if resp.status == 200:
+                        n = int(resp.headers.get(HEADER_LENGTH, len(raw)))
+                        params = json.loads(raw[:n]).get("parameters") or {}
+                        timings = _timings(params, clock, start, sent, sent_ns, done_ns)
+                    return Result(resp.status, latency, timings)
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return Result(0, time.perf_counter() - start)
+
+        yield send
+
+
+@contextlib.asynccontextmanager
+async def _grpc(url: str, token: str | None, timeout_s: float) -> AsyncIterator[Send]:
+    """gRPC to `grpc://HOST:PORT`: one channel (HTTP/2 carries the requests side by side), the
+    requests sent as serialized once (`grpc_request_body`)."""
     try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            raw = await resp.read()
+        import grpc
+    except ImportError as exc:
+        from nicoffload.errors import MissingDependency
+
+        raise MissingDependency("grpcio", "grpc", "loadgen over gRPC") from exc
+    from nicoffload.serve import kserve_pb
+
+    response_type = kserve_pb.pb().ModelInferResponse
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    clock = clock_id()
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    async with grpc.aio.insecure_channel(url[len(GRPC) :].rstrip("/"), options=options) as ch:
+        infer = ch.unary_unary(MODEL_INFER, response_deserializer=response_type.FromString)
+
+        async def send(body: bytes, start: float) -> Result:
+            sent, sent_ns = time.perf_counter(), now_ns()
+            try:
+                resp = await infer(body, metadata=metadata, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return Result(exc.code().name, time.perf_counter() - start)
             latency, done_ns = time.perf_counter() - start, now_ns()
-            timings: dict[str, float] = {}
-            if resp.status == 200:
-                n = int(resp.headers.get(HEADER_LENGTH, len(raw)))
-                params = json.loads(raw[:n]).get("parameters") or {}
-                timings = {k: v for k, v in params.items() if isinstance(v, (int, float))}
-                timings["client_us"] = round((sent - start) * 1e6)
-                if clock and params.get("clock") == clock and "arrived_ns" in timings:
-                    left_ns = timings["arrived_ns"] + timings.get("server_us", 0) * 1000
-                    timings["request_us"] = round((timings["arrived_ns"] - sent_ns) / 1e3)
-                    timings["response_us"] = round((done_ns - left_ns) / 1e3)
-                timings.pop("arrived_ns", None)
-            return Result(resp.status, latency, timings)
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return Result(0, time.perf_counter() - start)
+            params = {k: kserve_pb.parameter(v) for k, v in resp.parameters.items()}
+            return Result(200, latency, _timings(params, clock, start, sent, sent_ns, done_ns))
+
+        yield send
 
 
 async def run_load(
     url: str,
-    bodies: list[tuple[bytes, dict[str, str]]],
+    bodies: Sequence[Any],
     duration_s: float,
     rate: float | None = None,
     concurrency: int | None = None,
@@ -184,15 +259,15 @@ async def run_load(
     seed: int = 0,
 ) -> tuple[list[Result], float]:
     """Open loop at `rate`, or closed loop with `concurrency` clients, for `duration_s`; the
-    request bodies are used in turn. Returns the results and the run's wall time (until the
-    last answer)."""
-    import aiohttp
-
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    clock = clock_id()
-    connector = aiohttp.TCPConnector(limit=0 if rate is not None else concurrency or 1)
-    timeout = aiohttp.ClientTimeout(total=max(60.0, duration_s * 2))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    request bodies are used in turn: `request_body`'s for an HTTP URL, `grpc_request_body`'s
+    for `grpc://HOST:PORT`. Returns the results and the run's wall time (until the last
+    answer)."""
+    timeout_s = max(60.0, duration_s * 2)
+    if url.startswith(GRPC):
+        sender = _grpc(url, token, timeout_s)
+    else:
+        sender = _http(url, token, 0 if rate is not None else concurrency or 1, timeout_s)
+    async with sender as send:
         t0 = time.perf_counter()
         if rate is not None:
             tasks = []
@@ -200,10 +275,7 @@ async def run_load(
                 due = t0 + float(at)
                 if (wait := due - time.perf_counter()) > 0:
                     await asyncio.sleep(wait)
-                body, headers = bodies[i % len(bodies)]
-                tasks.append(
-                    asyncio.ensure_future(_send(session, url, body, headers | auth, due, clock))
-                )
+                tasks.append(asyncio.ensure_future(send(bodies[i % len(bodies)], due)))
             results = list(await asyncio.gather(*tasks))
         else:
             results = []
@@ -211,10 +283,8 @@ async def run_load(
 
             async def client() -> None:
                 while time.perf_counter() - t0 < duration_s:
-                    body, headers = bodies[next(counter) % len(bodies)]
-                    results.append(
-                        await _send(session, url, body, headers | auth, time.perf_counter(), clock)
-                    )
+                    body = bodies[next(counter) % len(bodies)]
+                    results.append(await send(body, time.perf_counter()))
 
             await asyncio.gather(*(client() for _ in range(concurrency or 1)))
         return results, time.perf_counter() - t0

@@ -217,11 +217,10 @@ class Server:
             request.match_info["name"], lambda: self._read(request), arrived
         )
         resumed = time.perf_counter()
-        params: dict[str, Any] = dict(outcome.timings)
         if req is None or outcome.outputs is None:
             doc: dict[str, Any] = {"error": outcome.error}
-            if params:
-                doc["parameters"] = params
+            if outcome.timings:
+                doc["parameters"] = dict(outcome.timings)
             if req is not None and req.id is not None:
                 doc["id"] = req.id
             response = _json(doc, outcome.status)
@@ -237,19 +236,26 @@ class Server:
             parts = await asyncio.get_running_loop().run_in_executor(
                 None, kserve.response_parts, self.config.model_name, req, outcome.outputs
             )
-        encoded = time.perf_counter()
-        # the batcher's parts end when it decided; the handler's follow: back on the event loop
-        # (`resume`), the outputs encoded (`encode`); `server_us` ends here, as the response is
-        # handed to aiohttp. `arrived_ns` on `clock` lets a client on this kernel measure the
-        # way here and back (loadgen's request_us and response_us).
+        params = self.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
+        body, headers = kserve.assemble_response(parts, params)
+        return web.Response(body=body, headers=headers)
+
+    def timings(
+        self, outcome: Outcome, arrived: float, arrived_ns: int, resumed: float, encoded: float
+    ) -> dict[str, Any]:
+        """A response's timing parameters, whatever the endpoint: the batcher's parts, which
+        end when it decided, then the handler's: back on the event loop (`resume`), the outputs
+        encoded (`encode`); `server_us` ends at `encoded`, as the response is handed to the
+        HTTP or gRPC library. `arrived_ns` on `clock` lets a client on this kernel measure the
+        way here and back (loadgen's request_us and response_us)."""
+        params: dict[str, Any] = dict(outcome.timings)
         params["resume_us"] = max(0, round((resumed - outcome.decided) * 1e6))
         params["encode_us"] = round((encoded - resumed) * 1e6)
         params["server_us"] = round((encoded - arrived) * 1e6)
         params["arrived_ns"] = arrived_ns
         if self.clock:
             params["clock"] = self.clock
-        body, headers = kserve.assemble_response(parts, params)
-        return web.Response(body=body, headers=headers)
+        return params
 
     async def _read(self, request: web.Request) -> kserve.InferRequest:
         """The HTTP request's body read and parsed, with its timeout header."""

@@ -120,3 +120,10 @@ def test_model_metadata_is_the_http_endpoints(resnet):
     msg = kserve_pb.model_metadata(meta)
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.inputs] == [("image", "BYTES", [-1])]
     assert [(t.name, list(t.shape)) for t in msg.outputs] == [("pixels", [-1, 3, 224, 224])]
+
+
+def test_response_parameters_keep_their_types():
+    req = kserve_pb.infer_request(triton_request([bytes_input("image", [b"a"])]))
+    params = {"server_us": 12, "clock": "monotonic:abc", "flag": True}
+    resp = kserve_pb.infer_response("m", req, {"pixels": np.zeros((1, 2))}, params)
+    assert {k: kserve_pb.parameter(v) for k, v in resp.parameters.items()} == params
