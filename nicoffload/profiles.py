@@ -21,7 +21,9 @@ FORMAT = "nicoffload-profile"
 # STALE_DECODE). A version 1 profile is still read where that does not matter: estimates and
 # GPU profiles. 3: a decoder's points may carry a third number (the file's bytes, for
 # `c_ms_per_byte`), and `runtime` may carry `agent_us_per_item`; versions 1 and 2 are still read.
-VERSION = 3
+# 4: `runtime` may carry `serial_us_per_item` and `serial_us_per_batch` (the host process's
+# GIL-held time per host stage); versions 1 to 3 are still read, without them.
+VERSION = 4
 STALE_DECODE = (
     "its decode_image points record each decode's work as a 6/8 DCT-scaled image (the planner's "
     "rule of its day) while the kernel decoded it at full size, so the planner, which prices "
@@ -84,6 +86,12 @@ class Profile:
     # (`profiling.measure_agent_runtime`); the planner prices it as CPU on the DPU's cores
     # (planner.cost._agent_ends; not as one process's serial work: it is tens of us per item)
     agent_us_per_item: float | None = None
+    # the host process's serial time per item of a host stage, its interpreter (the GIL) held:
+    # a + b / batch size, measured through the real runtime over tiny JPEGs
+    # (`profiling.measure_host_serial`); the planner caps a plan's throughput at one over its
+    # host stages' sum (planner.cost.host_serial). None: measured before it was
+    serial_us_per_item: float | None = None
+    serial_us_per_batch: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
         key = chain if isinstance(chain, str) else "+".join(chain)
@@ -131,17 +139,23 @@ class Profile:
                 {
                     "runtime": {
                         k: v
-                        for k, v in (
-                            ("host_us_per_item", self.runtime_us_per_item),
-                            ("agent_us_per_item", self.agent_us_per_item),
-                        )
+                        for k, v in zip(RUNTIME_KEYS, self._runtime_terms(), strict=True)
                         if v is not None
                     }
                 }
-                if self.runtime_us_per_item is not None or self.agent_us_per_item is not None
+                if any(v is not None for v in self._runtime_terms())
                 else {}
             ),
         }
+
+    def _runtime_terms(self) -> tuple[float | None, ...]:
+        """The `runtime` figures in RUNTIME_KEYS order."""
+        return (
+            self.runtime_us_per_item,
+            self.agent_us_per_item,
+            self.serial_us_per_item,
+            self.serial_us_per_batch,
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +182,7 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ProfileError(f'not a nicoffload profile (no "format": "{FORMAT}")', mark)
     version = doc.get("version")
-    if version not in (1, 2, VERSION):
+    if version not in (1, 2, 3, VERSION):
         raise ProfileError(f"profile version {version!r} is not {VERSION}; measure it again", mark)
     kind = doc.get("kind")
     if kind not in ("cpu", "dpu", "gpu"):
@@ -235,13 +249,20 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
     )
 
 
-RUNTIME_KEYS = ("host_us_per_item", "agent_us_per_item")
+RUNTIME_KEYS = (
+    "host_us_per_item",
+    "agent_us_per_item",
+    "serial_us_per_item",
+    "serial_us_per_batch",
+)
 
 
-def _runtime(body: Any, source: str) -> tuple[float | None, float | None]:
-    """(host_us_per_item, agent_us_per_item) of a profile's `runtime`, each None if absent."""
+def _runtime(body: Any, source: str) -> tuple[float | None, ...]:
+    """A profile's `runtime` figures in RUNTIME_KEYS order, each None if absent (a profile
+    measured before it was). The serial pair is read as a pair: one without the other is a
+    ProfileError."""
     if body is None:
-        return None, None
+        return (None,) * len(RUNTIME_KEYS)
     if not isinstance(body, dict) or not body:
         raise ProfileError(
             "'runtime' must be a mapping with " + " or ".join(RUNTIME_KEYS), Mark(source, 1, 1)
@@ -252,8 +273,15 @@ def _runtime(body: Any, source: str) -> tuple[float | None, float | None]:
             f"runtime: unknown key '{unknown[0]}' (known: {', '.join(RUNTIME_KEYS)})",
             Mark(source, 1, 1),
         )
-    host, agent = (_number(body, k, "runtime", source) if k in body else None for k in RUNTIME_KEYS)
-    return host, agent
+    serial = [k for k in RUNTIME_KEYS[2:] if k in body]
+    if len(serial) == 1:
+        other = next(k for k in RUNTIME_KEYS[2:] if k not in body)
+        raise ProfileError(
+            f"runtime: '{serial[0]}' without '{other}' (the host's serial time is a + b / batch "
+            "size: both, or neither)",
+            Mark(source, 1, 1),
+        )
+    return tuple(_number(body, k, "runtime", source) if k in body else None for k in RUNTIME_KEYS)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -1,6 +1,7 @@
 """Measuring this machine for a profile (`nicoffload profile`; `profiles.py` is the format):
 each registered kernel over a sweep of sizes (`measure_kernels`), the runtime's own CPU per item
-on the host and on an agent (`measure_runtime`, `measure_agent_runtime`), and the links: each
+on the host and on an agent (`measure_runtime`, `measure_agent_runtime`), the host process's
+serial (GIL-held) time per item of a host stage (`measure_host_serial`), and the links: each
 transport the local topology uses (tcp, shm) is measured through nicoffload's own
 sender and receiver, keyed as the agent keys them (so tcp frames carry their MAC), not through
 raw sockets: what a profile says a byte costs is what moving it costs the runtime. Both ends
@@ -15,6 +16,7 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +209,102 @@ def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | Non
         + 2 * (link.cpu_us_per_batch or 0.0) * batches / n
     )
     return max(0.0, _per_item_us(cpu, stats, n) - moved_us)
+
+
+# The batch sizes the host's serial time is measured at (its per-batch part is their difference),
+# how many calls of each (the median is kept), and the items of each call.
+SERIAL_BATCHES = (64, 8)
+SERIAL_ROUNDS, QUICK_SERIAL_ROUNDS = 5, 3
+SERIAL_ITEMS, QUICK_SERIAL_ITEMS = 4096, 2048
+
+
+def _serial_cpu_s(pipeline, items: list, workers: int, general: bool) -> float:
+    """Process CPU s of one call of `items` through `pipeline` all on the host, on the
+    runtime's fast path (a Session's executor) or its general path (`runtime.chain`, which
+    runs host stages after a GPU stage), warmed first, every batch read in place."""
+    from nicoffload.planner.plan import single_device_plan
+    from nicoffload.runner import prepare
+    from nicoffload.runtime.chain import Chain
+    from nicoffload.session import Session
+
+    plan = single_device_plan(pipeline, "cpu")
+    named = [(str(i), {"image": b}) for i, b in enumerate(items)]
+    if general:
+        with Chain(pipeline, plan, workers=workers) as chain:
+            for _ in chain.stream(named[:256]):
+                pass
+            c0 = time.process_time()
+            for _ in chain.stream(named):
+                pass
+            return time.process_time() - c0
+    with Session(prepare(pipeline, plan, None), workers=workers) as session:
+        for _ in session.stream(items[:256]):
+            pass
+        c0 = time.process_time()
+        for _ in session.stream(items):
+            pass
+        return time.process_time() - c0
+
+
+def fit_serial(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(us per item, us per batch) of `a + b / batch size` through (batch size, us per item)
+    points, by least squares, neither below zero."""
+    x = np.array([1.0 / p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    if np.ptp(x) == 0:
+        return max(0.0, float(y.mean())), 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0:
+        return max(0.0, float(y.mean())), 0.0
+    if a < 0:
+        return 0.0, float((x @ y) / (x @ x))
+    return float(a), float(b)
+
+
+def measure_host_serial(
+    *, quick: bool = False, workers: int | None = None
+) -> tuple[float, float, dict[str, Any]]:
+    """The host process's serial time per item of a host stage, in us: `a` per item and `b`
+    per batch (`a + b / batch size`), and the points they were fitted from.
+
+    The host runs its stages in threads of one Python process: the kernels give the GIL back,
+    the Python around them (per row and per batch: values and destinations, the executor's
+    hand-offs, stamps, settling) does not, so only one thread at a time does it. Measured as
+    the runtime runs it: the ResNet recipe's kernels over tiny JPEGs to a tiny output
+    (`data/agent_probe.yaml`: the kernels' native work is a few us, their Python wrappers
+    are in), all on the host, on `workers` threads (the host's share of the cores, as a run
+    of the local topology uses), through both the fast path and the general path, at two
+    batch sizes; the process's CPU over a call, per item, is then nearly all GIL-held (the
+    rest is the kernels' few us of native work on 32x32 images: an upper bound by that
+    much). The path that costs more at the largest batch size is kept, both its figures (a
+    placement may run on either; the model does not tell them apart)."""
+    import io
+
+    from PIL import Image
+
+    from nicoffload.graph import load_pipeline
+
+    if workers is None:
+        from nicoffload.topology import local_topology
+
+        workers = local_topology(gpu=False).device("cpu").cores
+    buf = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(buf, "JPEG")
+    base = load_pipeline(Path(__file__).parent / "data" / "agent_probe.yaml")
+    items = [buf.getvalue()] * (QUICK_SERIAL_ITEMS if quick else SERIAL_ITEMS)
+    rounds = QUICK_SERIAL_ROUNDS if quick else SERIAL_ROUNDS
+    fits, points = {}, {}
+    for path, general in (("fast", False), ("general", True)):
+        pts = []
+        for size in SERIAL_BATCHES:
+            pipeline = replace(base, batch_max_size=size)
+            cpu = [_serial_cpu_s(pipeline, items, workers, general) for _ in range(rounds)]
+            pts.append((size, float(np.median(cpu)) * 1e6 / len(items)))
+        fits[path], points[path] = fit_serial(pts), [[b, round(us, 2)] for b, us in pts]
+    size = max(SERIAL_BATCHES)
+    kept = max(fits, key=lambda k: fits[k][0] + fits[k][1] / size)
+    per_item, per_batch = fits[kept]
+    return per_item, per_batch, {"workers": workers, "path": kept, "us_per_item_at_batch": points}
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -453,13 +551,32 @@ def measure(
         "them, CPU of both ends fitted a + b * bytes per batch"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    runtime = agent = None
+    runtime = agent = serial_item = serial_batch = None
     if kind == "cpu":
         runtime = measure_runtime(quick=quick)
+        serial_item, serial_batch, serial = measure_host_serial(quick=quick)
+        method += (
+            f"; host serial (GIL-held) time per item: process CPU of the runtime over tiny JPEGs "
+            f"on {serial['workers']} worker threads, fast and general paths, at batch sizes "
+            f"{', '.join(map(str, SERIAL_BATCHES))}, us/item {serial['us_per_item_at_batch']}, "
+            f"fit a + b / batch size, the {serial['path']} path's kept (the costlier at batch "
+            f"{max(SERIAL_BATCHES)})"
+        )
     if kind in ("cpu", "dpu") and "tcp" in links:
         # an agent on these cores (the local topology's emulated DPU, or on a DPU the agent
         # itself), over tcp as it serves; None where the machine has one core
         agent = measure_agent_runtime(links["tcp"], quick=quick)
     return Profile(
-        kind, kernels, links, machine_info(), date, method, "", "<measured>", runtime, agent
+        kind,
+        kernels,
+        links,
+        machine_info(),
+        date,
+        method,
+        "",
+        "<measured>",
+        runtime,
+        agent,
+        serial_item,
+        serial_batch,
     )

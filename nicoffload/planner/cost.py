@@ -7,7 +7,9 @@ GPU decoder decodes at full size and is priced so, while the one size each tenso
 the CPU/DPU decoder's). A fusable chain the runtime runs as one kernel costs that kernel's time
 instead, where the runtime fuses it: within a stage, greedily from its first node (`fusion`).
 A tensor crossing devices loads each hop of its route: `bytes / bandwidth` on the link, and
-the transport's CPU time per byte on each CPU endpoint. Pure functions of their inputs: no
+the transport's CPU time per byte on each CPU endpoint. The host runs its stages in threads
+of one Python process, whose interpreter (the GIL) each host stage holds for a measured time per
+item (`host_serial`): a serial resource shared by them all. Pure functions of their inputs: no
 I/O, no clock.
 """
 
@@ -106,6 +108,12 @@ class CostModel:
     # for every placement, so it is left out of the search and added to the plan's figures
     # (`runtime_load`); folding it into the solvers is the planner issue's (#20)
     base: np.ndarray | None = None
+    # (D,) ms per item that each host stage on device d holds the host process's interpreter
+    # (the GIL), its per-batch part shared by a batch's items; non-zero only on the CPU that
+    # runs the Session, whose stages all share it (`host_serial`; evaluate: Metrics.serial).
+    # The solvers' own load rows leave it out: evaluate counts it, so the DP's final choice
+    # and every plan's figures do; the MILP's bottleneck rows do not (the planner issue's)
+    serial: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -372,6 +380,7 @@ def build_model(
         ingress=ids.index(topology.ingress),
         egress=ids.index(topology.egress),
         base=runtime_load(topology, profiles, len(rt.resources)),
+        serial=host_serial(topology, profiles, pipeline.batch_max_size),
     )
 
 
@@ -399,6 +408,31 @@ def _agent_ends(rt: Routes, topology: Topology, profiles: Mapping[str, Profile])
                 rt.fixed[other, d, d] += half
 
 
+def session_host(topology: Topology):
+    """The CPU device that runs the Session (the ingress when it is a CPU, else the first CPU
+    device), or None without one."""
+    ingress = topology.device(topology.ingress)
+    if ingress.kind == "cpu":
+        return ingress
+    return next((d for d in topology.devices if d.kind == "cpu"), None)
+
+
+def host_serial(
+    topology: Topology, profiles: Mapping[str, Profile], batch_size: int
+) -> np.ndarray | None:
+    """(D,) ms per item a host stage holds the host process's interpreter, on the CPU that
+    runs the Session: its profile's `serial_us_per_item + serial_us_per_batch / batch size`;
+    None where that profile lacks them (measured before they were: no cap, as before)."""
+    host = session_host(topology)
+    prof = profiles.get(host.id) if host is not None else None
+    if prof is None or prof.serial_us_per_item is None or prof.serial_us_per_batch is None:
+        return None
+    out = np.zeros(len(topology.ids))
+    per_batch = prof.serial_us_per_batch / max(1, batch_size)
+    out[topology.ids.index(host.id)] = (prof.serial_us_per_item + per_batch) * 1e-3
+    return out
+
+
 def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:
     """(R,) core-ms per item whatever the placement: the host runtime's, on the host CPU that
     runs it (the ingress when it is a CPU, else the first CPU device; from that device's
@@ -409,14 +443,9 @@ def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources:
     if ingress.kind == "dpu" and prof is not None and prof.agent_us_per_item:
         # the agent that receives every item (`_agent_ends`)
         base[topology.ids.index(ingress.id)] += prof.agent_us_per_item * 1e-3
-    cpus = [d for d in topology.devices if d.kind == "cpu"]
-    if not cpus:
+    host = session_host(topology)
+    if host is None:
         return base
-    host = (
-        topology.device(topology.ingress)
-        if topology.device(topology.ingress).kind == "cpu"
-        else cpus[0]
-    )
     prof = profiles.get(host.id)
     if prof is not None and prof.runtime_us_per_item is not None:
         base[topology.ids.index(host.id)] = prof.runtime_us_per_item * 1e-3

@@ -67,11 +67,14 @@ class Metrics:
 
     work: np.ndarray  # (M, R)
     load: np.ndarray  # (M, R) work / divisor: ms of the resource per item
-    bottleneck: np.ndarray  # (M,) ms per item of the busiest resource
+    bottleneck: np.ndarray  # (M,) ms per item of the busiest resource, `serial` included
     latency: np.ndarray  # (M,) ms per item, critical path with transfers
     host: np.ndarray  # (M,) host CPU ms per item
     memory: np.ndarray  # (M, D) bytes
     ok: np.ndarray  # (M,) every node on an allowed device, memory fits
+    # (M,) ms per item the host process's interpreter is held by the host stages (one Python
+    # process runs them all: a serial resource, not one per core; `CostModel.serial`)
+    serial: np.ndarray
 
     def keys(self, objective: str) -> tuple[np.ndarray, np.ndarray]:
         """(primary, secondary) per row; lower is better."""
@@ -133,22 +136,38 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
         np.add.at(memory, (rows, P[:, v]), model.mem[v])
     ok = np.all(np.isfinite(node_ms), axis=1) & np.all(memory <= model.mem_cap, axis=1)
     load = work / model.divisor
+    serial = serial_load(model, P)
     return Metrics(
         work,
         load,
-        load.max(axis=1),
+        np.maximum(load.max(axis=1), serial),
         latency,
         work[:, : len(model.devices)][:, model.host].sum(axis=1),
         memory,
         ok,
+        serial,
     )
+
+
+def serial_load(model: CostModel, placements: np.ndarray) -> np.ndarray:
+    """(M,) ms per item of the host process's interpreter: `model.serial` of each stage's
+    device, summed over the stages (runs of nodes on one device in topological order, as
+    `plan.stages_for` cuts them)."""
+    P = np.atleast_2d(placements)
+    if model.serial is None or not P.shape[1]:
+        return np.zeros(len(P))
+    starts = np.ones(P.shape, dtype=bool)
+    starts[:, 1:] = P[:, 1:] != P[:, :-1]
+    return (model.serial[P] * starts).sum(axis=1)
 
 
 def figures(model: CostModel, m: Metrics, row: int = 0) -> dict[str, float]:
     """A placement's predicted latency, throughput and host CPU: its metrics plus the host
-    runtime's own load per item (`CostModel.base`), the same for every placement."""
+    runtime's own load per item (`CostModel.base`), the same for every placement; throughput is
+    capped by the host process's interpreter too (`Metrics.serial`: the runtime's own serial
+    work is in that figure, measured with it)."""
     base = model.base if model.base is not None else np.zeros(len(model.resources))
-    bottleneck = float(((m.work[row] + base) / model.divisor).max())
+    bottleneck = max(float(((m.work[row] + base) / model.divisor).max()), float(m.serial[row]))
     D = len(model.devices)
     return {
         "latency_ms": round(float(m.latency[row]), 6),

@@ -1,5 +1,6 @@
-"""Why a plan is what it is: per-device and per-link load, the bottleneck, the latency path, and
-the runner-up placement with the reason it lost, as one JSON-ready dict (`plan --json` "explain").
+"""Why a plan is what it is: per-device and per-link load, the host process's serial load, the
+bottleneck, the latency path, and the runner-up placement with the reason it lost, as one
+JSON-ready dict (`plan --json` "explain").
 """
 
 from __future__ import annotations
@@ -39,7 +40,36 @@ def resource(model: CostModel, topology: Topology, m: Metrics, k: int) -> dict[s
     return out
 
 
+HOST_PROCESS = "host process (one Python interpreter)"
+
+
+def host_process(m: Metrics) -> dict[str, Any]:
+    """The host process's interpreter as a resource of one placement (row 0 of `m`): the
+    GIL-held time of its host stages per item, and the items/s that caps."""
+    ms = float(m.serial[0])
+    return {
+        "resource": HOST_PROCESS,
+        "kind": "serial",
+        "load_ms_per_item": round(ms, 6),
+        "items_per_s": round(1e3 / ms, 1) if ms > 0 else None,
+    }
+
+
+def binding(model: CostModel, topology: Topology, m: Metrics) -> dict[str, Any]:
+    """The busiest resource of one placement: a device, a link, or the host process when its
+    interpreter caps the placement more than any of them does."""
+    k = int(np.argmax(m.load[0]))
+    if float(m.serial[0]) > float(m.load[0, k]):
+        return host_process(m)
+    return resource(model, topology, m, k)
+
+
 def _describe(r: dict[str, Any]) -> str:
+    if r["kind"] == "serial":
+        return (
+            f"{r['resource']}: {r['items_per_s']:.0f} items/s (its host stages hold the GIL "
+            f"{r['load_ms_per_item']:.4f} ms/item, one thread at a time whatever the cores)"
+        )
     if r["kind"] == "link":
         return (
             f"link {r['resource']} carries {r['bytes_per_item'] / 1e3:.0f} KB/item at "
@@ -125,14 +155,15 @@ def why_lost(
     lost_on = OBJECTIVE[goal.objective].tie_break if tied else goal.objective
     out: dict[str, Any] = {"lost_on": lost_on, "tied_on": goal.objective if tied else None}
     if lost_on == "throughput":
-        k = int(np.argmax(other.load[0]))
-        binding = resource(model, topology, other, k)
-        out["binding"] = binding
+        busiest = binding(model, topology, other)
+        out["binding"] = busiest
         out["why"] = (
-            f"its busiest resource is {binding['resource']}: {_describe(binding)}, "
+            f"its busiest resource is {busiest['resource']}: {_describe(busiest)}, "
             f"against {float(best.bottleneck[0]):.4f} ms/item for the plan's busiest"
         )
-        out["reason"] = "link bytes" if binding["kind"] == "link" else "device time"
+        out["reason"] = {"link": "link bytes", "serial": "host process (GIL)"}.get(
+            busiest["kind"], "device time"
+        )
     elif lost_on == "latency":
         out["why"] = (
             f"its latency is {float(other.latency[0]):.4f} ms against {float(best.latency[0]):.4f} ms"
@@ -156,7 +187,6 @@ def explanation(
 ) -> dict[str, Any]:
     """What `plan --json` puts under "explain"; `missing` says why there is no runner-up."""
     m = evaluate(model, best[None, :])
-    k = int(np.argmax(m.load[0]))
     used = [i for i in range(len(model.resources)) if m.work[0, i] > 0 or i < len(model.devices)]
     nodes = {}
     for v, name in enumerate(model.nodes):
@@ -177,7 +207,8 @@ def explanation(
             "min_throughput_per_s": goal.min_throughput_per_s,
             "max_latency_ms": goal.max_latency_ms,
         },
-        "bottleneck": resource(model, topology, m, k),
+        "bottleneck": binding(model, topology, m),
+        "bottleneck_why": _describe(binding(model, topology, m)),
         "devices": {
             model.resources[i]: resource(model, topology, m, i)
             for i in used
@@ -188,6 +219,7 @@ def explanation(
             for i in used
             if i >= len(model.devices)
         },
+        **({"host_process": host_process(m)} if model.serial is not None else {}),
         "latency_path": latency_path(model, best),
         "nodes": nodes,
         "runner_up": None,
@@ -206,7 +238,7 @@ def explanation(
                 if a != b
             },
             "predicted": figures(model, o),
-            "bottleneck": resource(model, topology, o, int(np.argmax(o.load[0]))),
+            "bottleneck": binding(model, topology, o),
             **why_lost(model, topology, goal, m, o),
         }
     return out

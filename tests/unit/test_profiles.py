@@ -122,6 +122,9 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     monkeypatch.setattr(profiling, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
     # the agent's runtime is measured through a real agent process: tests/integration
     monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: 12.5)
+    # the host's serial time through the real runtime, on fewer items
+    monkeypatch.setattr(profiling, "QUICK_SERIAL_ITEMS", 512)
+    monkeypatch.setattr(profiling, "QUICK_SERIAL_ROUNDS", 1)
     seen = []
     p = profiling.measure(
         "cpu", quick=True, progress=lambda total=None, advance=0: seen.append((total, advance))
@@ -143,6 +146,9 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     back = load_profile(tmp_path / "cpu.json")
     assert back.kernels.keys() == p.kernels.keys()
     assert back.agent_us_per_item == 12.5
+    assert back.serial_us_per_item == p.serial_us_per_item > 0
+    assert back.serial_us_per_batch == p.serial_us_per_batch >= 0
+    assert "host serial (GIL-held) time per item" in back.method
     assert back.kernels["decode_image"].c_ms == pytest.approx(
         p.kernels["decode_image"].c_ms, rel=1e-4
     )
@@ -233,7 +239,7 @@ def test_a_profile_is_written_at_the_version_that_prices_decode_as_it_runs(tmp_p
 
     p = Profile("cpu", {"decode_image": KernelCost(0.1, 5e-6, "pixels")}, method="measured: x")
     p.save(tmp_path / "p.json")
-    assert json.loads((tmp_path / "p.json").read_text())["version"] == profiles.VERSION == 3
+    assert json.loads((tmp_path / "p.json").read_text())["version"] == profiles.VERSION == 4
     assert load_profile(tmp_path / "p.json").kernel("decode_image") is not None
 
 
