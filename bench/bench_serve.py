@@ -1,37 +1,50 @@
 """Serving latency under load: `nicoffload serve` (a real process) loaded with loadgen's code,
-for the host-only plan and the planner's plan of this machine's local topology (host + the
-emulated DPU agent).
+over HTTP and/or gRPC (`--protocol`), for the host-only plan, the planner's plan of this
+machine's local topology (host + the emulated DPU agent, gpu0 where CUDA works), all-GPU, and a
+DPU stage per transport between the agent and the host (`--transport`).
 
-Per plan: the unloaded p50 (closed loop, one request at a time); closed loop at rising
-concurrency (its best goodput); an open-loop (Poisson) sweep at rising shares of that best: the
-saturation rate is the highest the server keeps up with (every request answered 200, the last
-answer within 5% of the run's length after its end); then open loop at 50% and 80% of the
-saturation rate: p50/p99, and whether the per-request breakdown the server returns (receive +
-queue + pipeline [+ model]) sums to the end-to-end latency the client measured (their ratio of
-means; `server_ratio` is the server's own `server_us` against it). CPU seconds of the serve
-process and of its agent per answered request over the 50% and 80% runs. One item (an
-ImageNet-size JPEG, bench_prediction.typical_jpegs) per request; the client (this process) runs
-on the same machine, so it competes with the server for the cores.
+Per plan and protocol: the unloaded p50 (closed loop, one request at a time); closed loop at
+rising concurrency (its best goodput); an open-loop (Poisson) sweep at rising shares of that
+best: the saturation rate is the highest the server keeps up with (every request answered 200,
+the last answer within 5% of the run's length after its end); then open loop at 50% and 80% of
+the saturation rate: p50/p99, and whether the per-request breakdown the server returns (receive
++ queue + pipeline [+ model]) sums to the end-to-end latency the client measured (their ratio
+of means; `server_ratio` is the server's own `server_us` against it). CPU seconds of the serve
+process, of its agent and of the load generator per answered request over the 50% and 80%
+runs. One item (an ImageNet-size JPEG, bench_prediction.typical_jpegs) per request; the client
+runs on the same machine, so it competes with the server for the cores; `--clients N` spreads
+it over N processes (open loop: N Poisson streams of rate/N; closed loop: the clients split
+among them), so that one Python client is not the cap.
 
     python bench/bench_serve.py [--unloaded-s 5] [--step-s 4] [--open-s 10] [--failover-s 60]
-                                [--json] [--out DIR]
+                                [--protocol http|grpc|both] [--plans host,planner,gpu]
+                                [--transport tcp,shm,rdma] [--clients N] [--json] [--out DIR]
 
-With `--failover-s S`, a plan with an agent then runs open loop at 80% of its saturation rate for
-S seconds with one SIGKILL of its agent a third of the way in: every request must be answered
-200 (nothing lost) with its own image's tensor, equal to the all-host run's (nothing doubled or
-crossed).
+`--plans`: `host` (every node on the host CPU), `planner` (plan_for the local topology), `gpu`
+(every node on gpu0; skipped, with the reason, without CUDA). `--transport T,...`: for each T, a
+plan with decode on the agent (dpu0) and the rest on gpu0 (the host CPU without one), its DPU
+stage's physical scheme (the plan's `physical[stage].scheme`, what the runtime moves the
+stage's outputs over) set to T; rdma is skipped, with the reason, where no verbs device exists.
 
-`--out DIR` writes bench_serve.json and, per plan, the loadgen plots (PNG) of the closed-loop
-runs and of the open-loop ones (the sweep's and the 50% and 80% runs, by offered load), the
-plan and serve's log.
+With `--failover-s S`, a plan with an agent then runs open loop (HTTP) at 80% of its saturation
+rate for S seconds with one SIGKILL of its agent a third of the way in: every request must be
+answered 200 (nothing lost) with its own image's tensor, equal to the all-host run's (nothing
+doubled or crossed).
+
+`--out DIR` writes bench_serve.json and, per plan and protocol, the loadgen plots (PNG) of the
+closed-loop runs and of the open-loop ones (the sweep's and the 50% and 80% runs, by offered
+load), the plan and serve's log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import dataclasses
 import datetime as dt
 import json
+import multiprocessing
 import os
 import platform
 import select
@@ -49,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prediction import loadavg, typical_jpegs
 
 import nicoffload
-from nicoffload.planner import plan_for, plan_placement
+from nicoffload.planner import physical, plan_for, plan_placement
 from nicoffload.planner.plan import Plan
 from nicoffload.procstat import child_pids, process_cpu_s, tree_cpu_s
 from nicoffload.serve import loadgen as lg
@@ -62,14 +75,26 @@ NICOFFLOAD = [sys.executable, "-m", "nicoffload"]  # also where no console scrip
 CONCURRENCY = (2, 4, 8, 16)
 SWEEP = (0.3, 0.45, 0.6, 0.75, 0.9, 1.0)  # shares of the closed loop's best goodput
 KEPT_UP = 0.95
+PROTOCOLS = ("http", "grpc")
+TRANSPORTS = physical.SCHEMES  # tcp, shm, rdma
 
 
 class Serve:
     """A `nicoffload serve --plan PLAN` process and its ready line."""
 
-    def __init__(self, plan: Path, log: Path) -> None:
+    def __init__(self, plan: Path, log: Path, grpc: bool = False) -> None:
+        more = ["--grpc", "127.0.0.1:0"] if grpc else []
         self.proc = subprocess.Popen(
-            [*NICOFFLOAD, "serve", str(PIPELINE), "--plan", str(plan), "--listen", "127.0.0.1:0"],
+            [
+                *NICOFFLOAD,
+                "serve",
+                str(PIPELINE),
+                "--plan",
+                str(plan),
+                "--listen",
+                "127.0.0.1:0",
+                *more,
+            ],
             stdout=subprocess.PIPE,
             stderr=log.open("w"),
             cwd=ROOT,
@@ -113,12 +138,68 @@ def breakdown(results: list[lg.Result], doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load(url: str, bodies: list, seconds: float, rate: float | None = None, conc: int = 1) -> dict:
-    results, wall = asyncio.run(
-        lg.run_load(url, bodies, seconds, rate, None if rate is not None else conc)
-    )
+@dataclasses.dataclass
+class Target:
+    """Where a protocol's requests go, the bodies it sends, and the client processes (None:
+    this one)."""
+
+    url: str
+    bodies: list
+    pool: concurrent.futures.ProcessPoolExecutor | None = None
+    clients: int = 1
+
+
+def _client(
+    url: str,
+    bodies: list,
+    seconds: float,
+    rate: float | None,
+    conc: int | None,
+    seed: int,
+    at: float,
+) -> tuple[list[lg.Result], float, float]:
+    """One client process's share of a run, begun at `at` (time.monotonic, which every process
+    of this kernel reads alike): its results, wall time and CPU seconds."""
+    time.sleep(max(0.0, at - time.monotonic()))
+    cpu = time.process_time()
+    results, wall = asyncio.run(lg.run_load(url, bodies, seconds, rate, conc, seed=seed))
+    return results, wall, time.process_time() - cpu
+
+
+def load(t: Target, seconds: float, rate: float | None = None, conc: int = 1) -> dict:
+    if t.pool is None:
+        cpu = time.process_time()
+        results, wall = asyncio.run(
+            lg.run_load(t.url, t.bodies, seconds, rate, None if rate is not None else conc)
+        )
+        client_cpu = time.process_time() - cpu
+    else:
+        # the load split: N Poisson streams of rate/N make one of the rate; C closed-loop
+        # clients dealt out to the processes
+        n = t.clients if rate is not None else min(t.clients, conc)
+        shares = [conc // n + (i < conc % n) for i in range(n)]
+        at = time.monotonic() + 0.2
+        jobs = [
+            t.pool.submit(
+                _client,
+                t.url,
+                t.bodies,
+                seconds,
+                None if rate is None else rate / n,
+                None if rate is not None else shares[i],
+                i,
+                at,
+            )
+            for i in range(n)
+        ]
+        done = [j.result() for j in jobs]
+        results = [r for d in done for r in d[0]]
+        wall = max(d[1] for d in done)
+        client_cpu = sum(d[2] for d in done)
     doc = lg.summarize(results, wall, rate)
     doc |= breakdown(results, doc)
+    doc["client_cpu_ms_per_request"] = round(client_cpu / max(1, doc["ok"]) * 1e3, 3)
+    doc["client_processes"] = 1 if t.pool is None else n
     if rate is None:
         doc["concurrency"] = conc
     return doc
@@ -168,86 +249,192 @@ async def _failover_load(
     }
 
 
+def curve(t: Target, s: Serve, args: argparse.Namespace) -> dict[str, Any]:
+    """One protocol's runs against a started server: unloaded, closed loop, the open-loop
+    sweep to saturation, 50% and 80% of it (with the CPU per request over those two)."""
+    load(t, 1.0)  # warm-up (numba caches, the agent's first batches, the connections)
+    unloaded = load(t, args.unloaded_s)
+    closed = [unloaded]
+    for c in CONCURRENCY:
+        print(f"  closed loop, {c} clients ...", file=sys.stderr, flush=True)
+        closed.append(load(t, args.step_s, conc=c))
+    closed_best = max(r["goodput_per_s"] for r in closed)
+    # open loop at rising rates up to the closed loop's best: the highest rate the server
+    # keeps up with is the saturation rate
+    sweep, saturation = [], 0.0
+    for share in SWEEP:
+        rate = round(closed_best * share, 1)
+        print(f"  open-loop sweep, {rate}/s ...", file=sys.stderr, flush=True)
+        r = load(t, args.step_s, rate=rate)
+        sweep.append(r)
+        # kept up: every request answered 200, the last within 5% of the run's length
+        # after its end (goodput over offered would judge Poisson's count, not the server)
+        if r["errors_by_status"] or r["duration_s"] > args.step_s / KEPT_UP:
+            break
+        saturation = rate
+    opened = []
+    cpu0 = s.cpu()
+    for share in (0.5, 0.8) if saturation else ():  # none kept up: nothing to load at
+        rate = round(saturation * share, 1)
+        print(f"  open loop, {rate}/s ...", file=sys.stderr, flush=True)
+        opened.append(load(t, args.open_s, rate=rate) | {"share": share})
+    cpu1 = s.cpu()
+    answered = sum(r["ok"] for r in opened) or 1
+    p50 = unloaded["latency_ms"]["p50"]
+    at50, at80 = (r["latency_ms"]["p99"] for r in opened) if opened else (None, None)
+    # the highest rate answered with p99 <= 20 ms (issue #19's H200 target)
+    within = [
+        r["goodput_per_s"]
+        for r in sweep + opened
+        if not r["errors_by_status"] and (r["latency_ms"]["p99"] or 1e9) <= 20.0
+    ]
+    return {
+        "unloaded_p50_ms": p50,
+        "unloaded_p99_ms": unloaded["latency_ms"]["p99"],
+        "saturation_per_s": saturation,
+        "closed_loop_best_per_s": closed_best,
+        "closed_loop_best_concurrency": max(closed, key=lambda r: r["goodput_per_s"])[
+            "concurrency"
+        ],
+        "p50_at_50pct_ms": opened[0]["latency_ms"]["p50"] if opened else None,
+        "p99_at_50pct_ms": at50,
+        "p99_at_80pct_ms": at80,
+        "p99_at_50pct_over_unloaded_p50": None if not p50 or at50 is None else round(at50 / p50, 2),
+        "best_goodput_p99_within_20ms_per_s": max(within, default=None),
+        # what the slowest 1% at 50% spent their time on (ms, mean per request)
+        "tail_at_50pct_ms": opened[0].get("tail_breakdown_ms") if opened else None,
+        "serve_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / answered * 1e3, 3),
+        "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
+        "client_cpu_ms_per_request": round(
+            sum(r["client_cpu_ms_per_request"] * r["ok"] for r in opened) / answered, 3
+        ),
+        "closed": closed,
+        "sweep": sweep,
+        "open": opened,
+    }
+
+
+def targets(s: Serve, images: list[bytes], protocols: list[str], pool: Any, n: int) -> dict:
+    out = {}
+    for proto in protocols:
+        if proto == "http":
+            out[proto] = Target(s.doc["url"], [lg.request_body("image", [b]) for b in images])
+        else:
+            bodies = [lg.grpc_request_body(s.doc["model"], "image", [b]) for b in images]
+            out[proto] = Target(f"{lg.GRPC}{s.doc['grpc']}", bodies)
+        out[proto].pool, out[proto].clients = pool, n
+    return out
+
+
 def measure(
-    plan: Plan, bodies: list, want: list[bytes], args: argparse.Namespace, folder: Path, slug: str
+    plan: Plan,
+    images: list[bytes],
+    want: list[bytes],
+    args: argparse.Namespace,
+    folder: Path,
+    slug: str,
+    pool: Any,
 ) -> dict:
     load_before = loadavg()
     plan.save(folder / f"{slug}.json")
-    s = Serve(folder / f"{slug}.json", folder / f"{slug}.log")
+    s = Serve(folder / f"{slug}.json", folder / f"{slug}.log", grpc="grpc" in args.protocols)
+    by_protocol = {}
     try:
-        url = s.doc["url"]
-        load(url, bodies, 1.0)  # warm-up (numba caches, the agent's first batches)
-        unloaded = load(url, bodies, args.unloaded_s)
-        closed = [unloaded]
-        for c in CONCURRENCY:
-            print(f"  closed loop, {c} clients ...", file=sys.stderr, flush=True)
-            closed.append(load(url, bodies, args.step_s, conc=c))
-        closed_best = max(r["goodput_per_s"] for r in closed)
-        # open loop at rising rates up to the closed loop's best: the highest rate the server
-        # keeps up with is the saturation rate
-        sweep, saturation = [], 0.0
-        for share in SWEEP:
-            rate = round(closed_best * share, 1)
-            print(f"  open-loop sweep, {rate}/s ...", file=sys.stderr, flush=True)
-            r = load(url, bodies, args.step_s, rate=rate)
-            sweep.append(r)
-            # kept up: every request answered 200, the last within 5% of the run's length
-            # after its end (goodput over offered would judge Poisson's count, not the server)
-            if r["errors_by_status"] or r["duration_s"] > args.step_s / KEPT_UP:
-                break
-            saturation = rate
-        opened = []
-        cpu0 = s.cpu()
-        for share in (0.5, 0.8) if saturation else ():  # none kept up: nothing to load at
-            rate = round(saturation * share, 1)
-            print(f"  open loop, {rate}/s ...", file=sys.stderr, flush=True)
-            opened.append(load(url, bodies, args.open_s, rate=rate) | {"share": share})
-        cpu1 = s.cpu()
+        ts = targets(s, images, args.protocols, pool, args.clients)
+        for proto, t in ts.items():
+            print(f" {proto} ...", file=sys.stderr, flush=True)
+            by_protocol[proto] = curve(t, s, args)
         failover_run = None
+        saturation = next(iter(by_protocol.values()))["saturation_per_s"]
         if args.failover_s and s.agents and saturation:
             rate = round(saturation * 0.8, 1)
             print(
-                f"  failover: {rate}/s for {args.failover_s:g} s ...", file=sys.stderr, flush=True
+                f"  failover (HTTP): {rate}/s for {args.failover_s:g} s ...",
+                file=sys.stderr,
+                flush=True,
             )
+            bodies = [lg.request_body("image", [b]) for b in images]
             failover_run = asyncio.run(
-                _failover_load(url, bodies, want, rate, args.failover_s, s.agents)
+                _failover_load(s.doc["url"], bodies, want, rate, args.failover_s, s.agents)
             )
     finally:
         code = s.stop()
     log = (folder / f"{slug}.log").read_text()
     failovers = [line for line in log.splitlines() if "failover" in line]
-    answered = sum(r["ok"] for r in opened) or 1
-    p50 = unloaded["latency_ms"]["p50"]
-    at50, at80 = (r["latency_ms"]["p99"] for r in opened) if opened else (None, None)
     return {
         "placement": s.doc["placement"],
+        # the DPU stages' transport schemes: the plan's physical decisions, and serve's
+        "schemes": {k: v.get("scheme") for k, v in plan.physical.items()},
+        "serve_transports": s.doc.get("transports"),
         # serve's policies in force (absent from a serve older than them)
         "serve_policy": {
             k: s.doc.get(k) for k in ("max_batch", "close_when_idle", "switch_interval_us")
         },
         "stages": s.doc["stages"],
         "predicted": s.doc["predicted"],
-        "unloaded_p50_ms": p50,
         "load_before": load_before,
-        "saturation_per_s": saturation,
-        "closed_loop_best_per_s": closed_best,
-        "closed_loop_best_concurrency": max(closed, key=lambda r: r["goodput_per_s"])[
-            "concurrency"
-        ],
-        "p99_at_50pct_ms": at50,
-        "p99_at_80pct_ms": at80,
-        "p99_at_50pct_over_unloaded_p50": None if not p50 or at50 is None else round(at50 / p50, 2),
-        # what the slowest 1% at 50% spent their time on (ms, mean per request)
-        "tail_at_50pct_ms": opened[0].get("tail_breakdown_ms") if opened else None,
-        "serve_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / answered * 1e3, 3),
-        "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
         "serve_exit": code,
         "failover": failovers,  # serve's log lines: the runtime took the DPU stages back
         "failover_run": failover_run,  # --failover-s: the agents killed under open-loop load
-        "closed": closed,
-        "sweep": sweep,
-        "open": opened,
+        "by_protocol": by_protocol,
     }
+
+
+def with_scheme(plan: Plan, pipeline: Any, topology: Any, scheme: str) -> Plan:
+    """The plan with every DPU stage's outputs moved over `scheme` (its physical decisions
+    completed as the runtime would, then the scheme written)."""
+    done = physical.complete(pipeline, plan, topology)
+    decided = {k: {**v, "scheme": scheme} for k, v in done.physical.items()}
+    return dataclasses.replace(done, physical=decided)
+
+
+def rdma_missing() -> str | None:
+    """Why the rdma transport cannot run here (no pyverbs, no verbs device), or None."""
+    from nicoffload.transport import verbs
+
+    try:
+        found = verbs.devices()
+    except Exception as exc:  # DeviceError: pyverbs is not installed
+        return str(exc)
+    return None if found else "no RDMA device (ibv_get_device_list found none)"
+
+
+def choose_plans(
+    pipeline: Any, topology: Any, args: argparse.Namespace
+) -> tuple[dict[str, Plan], dict[str, str]]:
+    """The plans `--plans` and `--transport` name, and those skipped with the reason."""
+    nodes = [n.name for n in pipeline.nodes]
+    gpu = "gpu0" in topology.ids
+    plans: dict[str, Plan] = {}
+    skipped: dict[str, str] = {}
+    for name in args.plans:
+        if name == "host":
+            plans["host only"] = plan_placement(pipeline, dict.fromkeys(nodes, "cpu"), topology)
+        elif name == "planner":
+            plans["planner"] = plan_for(pipeline, topology)
+        elif name == "gpu":
+            if gpu:
+                plans["all gpu"] = plan_placement(pipeline, dict.fromkeys(nodes, "gpu0"), topology)
+            else:
+                skipped["all gpu"] = "no gpu0 in the local topology (CUDA does not work here)"
+    for scheme in args.transports:
+        name = f"dpu decode over {scheme}"
+        if "dpu0" not in topology.ids:
+            skipped[name] = "no emulated dpu0 in the local topology (one core)"
+            continue
+        if scheme == "rdma" and (why := rdma_missing()) is not None:
+            skipped[name] = why
+            continue
+        rest = "gpu0" if gpu else "cpu"
+        placement = {n: ("dpu0" if n == "decode" else rest) for n in nodes}
+        plans[name] = with_scheme(
+            plan_placement(pipeline, placement, topology), pipeline, topology, scheme
+        )
+    return plans, skipped
+
+
+def words(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
 
 
 def main() -> int:
@@ -256,6 +443,27 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=4.0, help="each closed-loop concurrency")
     ap.add_argument("--open-s", type=float, default=10.0, help="each open-loop rate")
     ap.add_argument("--images", type=int, default=16)
+    ap.add_argument(
+        "--protocol",
+        choices=("http", "grpc", "both"),
+        default="http",
+        help="what the load generator speaks (both: each plan over HTTP, then over gRPC)",
+    )
+    ap.add_argument(
+        "--plans",
+        default="host,planner",
+        help="comma list of host, planner, gpu (every node on gpu0), or none",
+    )
+    ap.add_argument(
+        "--transport",
+        default="",
+        help="comma list of tcp, shm, rdma: for each, a plan with decode on the agent whose "
+        "outputs move to the host over it (the plan's physical scheme); rdma skipped where no "
+        "verbs device exists",
+    )
+    ap.add_argument(
+        "--clients", type=int, default=1, help="load generator processes (1: this process)"
+    )
     ap.add_argument(
         "--failover-s",
         type=float,
@@ -266,37 +474,58 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--out", type=Path, help="write bench_serve.json and the plots here")
     args = ap.parse_args()
+    args.protocols = list(PROTOCOLS) if args.protocol == "both" else [args.protocol]
+    args.plans = [p for p in words(args.plans) if p != "none"]
+    args.transports = words(args.transport)
+    for bad in [p for p in args.plans if p not in ("host", "planner", "gpu")]:
+        ap.error(f"--plans: unknown plan {bad!r} (host, planner, gpu)")
+    for bad in [t for t in args.transports if t not in TRANSPORTS]:
+        ap.error(f"--transport: unknown transport {bad!r} ({', '.join(TRANSPORTS)})")
+    if args.clients < 1:
+        ap.error("--clients: at least 1")
     pipeline = nicoffload.load_pipeline(PIPELINE)
     topology = local_topology()
     hints = dict(pipeline.inputs["image"].hints)
     images = typical_jpegs(args.images, hints.get("height", 375), hints.get("width", 500))
-    bodies = [lg.request_body("image", [b]) for b in images]
     host = plan_placement(pipeline, {n.name: "cpu" for n in pipeline.nodes}, topology)
     pixels = nicoffload.run(pipeline, images, plan=host).outputs["pixels"]
     want = [pixels[i : i + 1].tobytes() for i in range(len(images))]
-    plans = {
-        "host only": host,
-        "planner": plan_for(pipeline, topology),
-    }
+    plans, skipped = choose_plans(pipeline, topology, args)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", file=sys.stderr, flush=True)
     doc: dict[str, Any] = {
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or '?'})",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "load_before": loadavg(),
+        "client_processes": args.clients,
+        "skipped": skipped,
         "plans": {},
     }
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, plan in plans.items():
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            slug = name.replace(" ", "-")
-            row = measure(plan, bodies, want, args, args.out or Path(tmp), f"serve-{slug}")
-            doc["plans"][name] = row
-            if args.out:
-                lg.plot(row["closed"], str(args.out / f"serve-{slug}-closed.png"))
-                opened = sorted(row["sweep"] + row["open"], key=lambda r: r["offered_per_s"])
-                lg.plot(opened, str(args.out / f"serve-{slug}-open.png"))
+    pool = None
+    if args.clients > 1:  # spawned, not forked: a fork of a process that ran asyncio and numba
+        pool = concurrent.futures.ProcessPoolExecutor(
+            args.clients, mp_context=multiprocessing.get_context("spawn")
+        )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, plan in plans.items():
+                print(f"{name} ...", file=sys.stderr, flush=True)
+                slug = name.replace(" ", "-")
+                row = measure(
+                    plan, images, want, args, args.out or Path(tmp), f"serve-{slug}", pool
+                )
+                doc["plans"][name] = row
+                for proto, r in row["by_protocol"].items() if args.out else ():
+                    tag = f"serve-{slug}-{proto}"
+                    lg.plot(r["closed"], str(args.out / f"{tag}-closed.png"))
+                    opened = sorted(r["sweep"] + r["open"], key=lambda x: x["offered_per_s"])
+                    lg.plot(opened, str(args.out / f"{tag}-open.png"))
+    finally:
+        if pool is not None:
+            pool.shutdown()
     doc["load_after"] = loadavg()
     if args.out:
         (args.out / "bench_serve.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -304,23 +533,34 @@ def main() -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{doc['machine']}, {doc['date']}, load {doc['load_before']} -> {doc['load_after']}")
-    print(
-        f"{'plan':10} {'p50 1-at-a-time':>15} {'saturation/s':>12} {'p99@50%':>8} {'p99@80%':>8}"
-        f" {'x p50':>6} {'ratio@50%':>9} {'ratio@80%':>9} {'serve ms/req':>12} {'agent ms/req':>12}"
+    print(f"client processes: {args.clients}")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    cols = (
+        ("plan", "<22", None),
+        ("proto", "<5", None),
+        ("p50 1-at-a-time", ">15", "unloaded_p50_ms"),
+        ("saturation/s", ">12", "saturation_per_s"),
+        ("p99<=20ms /s", ">12", "best_goodput_p99_within_20ms_per_s"),
+        ("p99@50%", ">8", "p99_at_50pct_ms"),
+        ("p99@80%", ">8", "p99_at_80pct_ms"),
+        ("x p50", ">6", "p99_at_50pct_over_unloaded_p50"),
+        ("ratio@50%", ">9", 0),
+        ("ratio@80%", ">9", 1),
+        ("serve ms/req", ">12", "serve_cpu_ms_per_request"),
+        ("agent ms/req", ">12", "agent_cpu_ms_per_request"),
+        ("client ms/req", ">13", "client_cpu_ms_per_request"),
     )
-
-    def f(x: Any, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
-    for name, r in doc["plans"].items():
-        ratios = [o["ratio"] for o in r["open"]] + [None, None]
-        print(
-            f"{name:10} {f(r['unloaded_p50_ms'], '15.2f')} {f(r['saturation_per_s'], '12.1f')} "
-            f"{f(r['p99_at_50pct_ms'], '8.2f')} {f(r['p99_at_80pct_ms'], '8.2f')} "
-            f"{f(r['p99_at_50pct_over_unloaded_p50'], '6.2f')} {f(ratios[0], '9.3f')} "
-            f"{f(ratios[1], '9.3f')} {f(r['serve_cpu_ms_per_request'], '12.3f')} "
-            f"{f(r['agent_cpu_ms_per_request'], '12.3f')}"
-        )
+    print(" ".join(format(c[0], c[1]) for c in cols))
+    for name, row in doc["plans"].items():
+        for proto, r in row["by_protocol"].items():
+            ratios = [o["ratio"] for o in r["open"]] + [None, None]
+            cells = [format(name, "<22"), format(proto, "<5")]
+            for _, spec, key in cols[2:]:
+                x = ratios[key] if isinstance(key, int) else r[key]
+                num = spec + (".3f" if _.endswith("ms/req") or _.startswith("ratio") else ".1f")
+                cells.append(format("-", spec) if x is None else format(x, num))
+            print(" ".join(cells))
     return 0
 
 

@@ -230,7 +230,7 @@ def serve(
 
     With `--grpc HOST:PORT` the same model is also served over KServe v2 gRPC (Triton's gRPC clients work), same token (`authorization: Bearer` metadata), batcher, deadlines and drain; it needs `pip install 'nicoffload\\[grpc]'`.
 
-    When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `grpc` with --grpc, `placement`, `predicted`); logs go to stderr.
+    When ready it prints ONE JSON line on stdout (`url`, `model`, `health`, `grpc` with --grpc, `placement`, `transports` (what each DPU stage's outputs move over: the plan's physical scheme, tcp, shm or rdma), `predicted`); logs go to stderr.
 
     SIGTERM drains: readiness goes false, new requests get 503, requests in flight are answered, then the process exits 0.
 
@@ -241,6 +241,7 @@ def serve(
         stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
     logging.getLogger("nicoffload").setLevel(logging.INFO)
+    from nicoffload.planner import physical
     from nicoffload.runner import prepare
     from nicoffload.serve.batcher import Batcher
     from nicoffload.serve.server import ServeConfig, Server
@@ -280,6 +281,14 @@ def serve(
         ready = {
             "placement": dict(session.plan.placement),
             "stages": {s.name: s.device for s in session.plan.stages},
+            # what each DPU stage's outputs move over (the plan's physical scheme, as the
+            # runtime read it)
+            "transports": {
+                k: v["scheme"]
+                for k, v in physical.complete(
+                    prep.pipeline, prep.plan, prep.topology
+                ).physical.items()
+            },
             "predicted": None if session.plan.predicted is None else vars(session.plan.predicted),
             "setup_s": round(session.setup_s, 3),
             "max_queue": max_queue,
