@@ -22,7 +22,8 @@ FORMAT = "nicoffload-profile"
 # GPU profiles. 3: a decoder's points may carry a third number (the file's bytes, for
 # `c_ms_per_byte`), and `runtime` may carry `agent_us_per_item`; versions 1 and 2 are still read.
 # 4: `runtime` may carry `serial_us_per_item` and `serial_us_per_batch` (the host process's
-# GIL-held time per host stage); versions 1 to 3 are still read, without them.
+# GIL-held time per stage, on the runtime's fast path) and `serial_general_us_per_item`,
+# `serial_general_us_per_batch` (on its general path); versions 1 to 3 are still read, without.
 VERSION = 4
 STALE_DECODE = (
     "its decode_image points record each decode's work as a 6/8 DCT-scaled image (the planner's "
@@ -89,9 +90,12 @@ class Profile:
     # the host process's serial time per item of a host stage, its interpreter (the GIL) held:
     # a + b / batch size, measured through the real runtime over tiny JPEGs
     # (`profiling.measure_host_serial`); the planner caps a plan's throughput at one over its
-    # host stages' sum (planner.cost.host_serial). None: measured before it was
+    # host stages' sum (planner.cost.host_serial). None: measured before it was. On the
+    # runtime's fast path (`runtime.executor`), then on its general path (`runtime.chain`)
     serial_us_per_item: float | None = None
     serial_us_per_batch: float | None = None
+    serial_general_us_per_item: float | None = None
+    serial_general_us_per_batch: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
         key = chain if isinstance(chain, str) else "+".join(chain)
@@ -155,6 +159,8 @@ class Profile:
             self.agent_us_per_item,
             self.serial_us_per_item,
             self.serial_us_per_batch,
+            self.serial_general_us_per_item,
+            self.serial_general_us_per_batch,
         )
 
     def save(self, path: str | Path) -> None:
@@ -254,13 +260,15 @@ RUNTIME_KEYS = (
     "agent_us_per_item",
     "serial_us_per_item",
     "serial_us_per_batch",
+    "serial_general_us_per_item",
+    "serial_general_us_per_batch",
 )
 
 
 def _runtime(body: Any, source: str) -> tuple[float | None, ...]:
     """A profile's `runtime` figures in RUNTIME_KEYS order, each None if absent (a profile
     measured before it was). The serial pair is read as a pair: one without the other is a
-    ProfileError."""
+    ProfileError (each path's)."""
     if body is None:
         return (None,) * len(RUNTIME_KEYS)
     if not isinstance(body, dict) or not body:
@@ -273,14 +281,15 @@ def _runtime(body: Any, source: str) -> tuple[float | None, ...]:
             f"runtime: unknown key '{unknown[0]}' (known: {', '.join(RUNTIME_KEYS)})",
             Mark(source, 1, 1),
         )
-    serial = [k for k in RUNTIME_KEYS[2:] if k in body]
-    if len(serial) == 1:
-        other = next(k for k in RUNTIME_KEYS[2:] if k not in body)
-        raise ProfileError(
-            f"runtime: '{serial[0]}' without '{other}' (the host's serial time is a + b / batch "
-            "size: both, or neither)",
-            Mark(source, 1, 1),
-        )
+    for pair in (RUNTIME_KEYS[2:4], RUNTIME_KEYS[4:6]):
+        serial = [k for k in pair if k in body]
+        if len(serial) == 1:
+            other = next(k for k in pair if k not in body)
+            raise ProfileError(
+                f"runtime: '{serial[0]}' without '{other}' (the host's serial time is a + b / "
+                "batch size: both, or neither)",
+                Mark(source, 1, 1),
+            )
     return tuple(_number(body, k, "runtime", source) if k in body else None for k in RUNTIME_KEYS)
 
 

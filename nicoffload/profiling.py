@@ -218,16 +218,17 @@ SERIAL_ROUNDS, QUICK_SERIAL_ROUNDS = 5, 3
 SERIAL_ITEMS, QUICK_SERIAL_ITEMS = 4096, 2048
 
 
-def _serial_cpu_s(pipeline, items: list, workers: int, general: bool) -> float:
-    """Process CPU s of one call of `items` through `pipeline` all on the host, on the
-    runtime's fast path (a Session's executor) or its general path (`runtime.chain`, which
-    runs host stages after a GPU stage), warmed first, every batch read in place."""
+def _serial_cpu_s(pipeline, items: list, workers: int, general: bool, device: str) -> float:
+    """Process CPU s of one call of `items` through `pipeline` all on `device` (the host, or
+    a GPU), on the runtime's fast path (a Session's executor) or its general path
+    (`runtime.chain`, which runs host stages after a GPU stage), warmed first, every batch
+    read in place."""
     from nicoffload.planner.plan import single_device_plan
     from nicoffload.runner import prepare
     from nicoffload.runtime.chain import Chain
     from nicoffload.session import Session
 
-    plan = single_device_plan(pipeline, "cpu")
+    plan = single_device_plan(pipeline, device)
     named = [(str(i), {"image": b}) for i, b in enumerate(items)]
     if general:
         with Chain(pipeline, plan, workers=workers) as chain:
@@ -262,22 +263,23 @@ def fit_serial(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def measure_host_serial(
-    *, quick: bool = False, workers: int | None = None
-) -> tuple[float, float, dict[str, Any]]:
-    """The host process's serial time per item of a host stage, in us: `a` per item and `b`
-    per batch (`a + b / batch size`), and the points they were fitted from.
+    device: str = "cpu", *, quick: bool = False, workers: int | None = None
+) -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
+    """The host process's serial time per item of a stage on `device` (a host stage; or a GPU
+    stage, `gpu0`: its batches are fed, decoded and handed on by Python in the same process),
+    in us, per path of the runtime ("fast": `runtime.executor`, "general": `runtime.chain`):
+    `a` per item and `b` per batch (`a + b / batch size`); and the points they came from.
 
     The host runs its stages in threads of one Python process: the kernels give the GIL back,
     the Python around them (per row and per batch: values and destinations, the executor's
     hand-offs, stamps, settling) does not, so only one thread at a time does it. Measured as
     the runtime runs it: the ResNet recipe's kernels over tiny JPEGs to a tiny output
     (`data/agent_probe.yaml`: the kernels' native work is a few us, their Python wrappers
-    are in), all on the host, on `workers` threads (the host's share of the cores, as a run
+    are in), all on `device`, on `workers` threads (the host's share of the cores, as a run
     of the local topology uses), through both the fast path and the general path, at two
     batch sizes; the process's CPU over a call, per item, is then nearly all GIL-held (the
     rest is the kernels' few us of native work on 32x32 images: an upper bound by that
-    much). The path that costs more at the largest batch size is kept, both its figures (a
-    placement may run on either; the model does not tell them apart)."""
+    much)."""
     import io
 
     from PIL import Image
@@ -298,13 +300,43 @@ def measure_host_serial(
         pts = []
         for size in SERIAL_BATCHES:
             pipeline = replace(base, batch_max_size=size)
-            cpu = [_serial_cpu_s(pipeline, items, workers, general) for _ in range(rounds)]
+            cpu = [_serial_cpu_s(pipeline, items, workers, general, device) for _ in range(rounds)]
             pts.append((size, float(np.median(cpu)) * 1e6 / len(items)))
         fits[path], points[path] = fit_serial(pts), [[b, round(us, 2)] for b, us in pts]
-    size = max(SERIAL_BATCHES)
-    kept = max(fits, key=lambda k: fits[k][0] + fits[k][1] / size)
-    per_item, per_batch = fits[kept]
-    return per_item, per_batch, {"workers": workers, "path": kept, "us_per_item_at_batch": points}
+    return fits, {"workers": workers, "us_per_item_at_batch": points}
+
+
+def _serial_terms(fits: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """measure_host_serial's fits as Profile fields."""
+    (a, b), (ga, gb) = fits["fast"], fits["general"]
+    return {
+        "serial_us_per_item": a,
+        "serial_us_per_batch": b,
+        "serial_general_us_per_item": ga,
+        "serial_general_us_per_batch": gb,
+    }
+
+
+def _serial_method(what: str, device: str, info: dict[str, Any]) -> str:
+    return (
+        f"host serial (GIL-held) time per item of {what}: process CPU of the runtime over tiny "
+        f"JPEGs all on {device} on {info['workers']} worker threads, on the fast and the "
+        f"general path, at batch sizes {', '.join(map(str, SERIAL_BATCHES))}, us/item "
+        f"{info['us_per_item_at_batch']}, fit a + b / batch size per path"
+    )
+
+
+def with_gpu_serial(base: Profile, *, quick: bool = False, device: str = "gpu0") -> Profile:
+    """A GPU profile (measured batched by `bench/bench_gpu.py`, or shipped) with the host
+    process's serial time per item of a GPU stage measured here (`measure_host_serial` on
+    `device`): the kernels' figures are the GPU's, this part is the host's Python around them."""
+    import datetime
+
+    fits, info = measure_host_serial(device, quick=quick)
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    what = f"a GPU stage, measured {when} on {machine_info()['cpu']}"
+    method = f"{base.method}; {_serial_method(what, device, info)}"
+    return replace(base, method=method, **_serial_terms(fits))
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -551,17 +583,13 @@ def measure(
         "them, CPU of both ends fitted a + b * bytes per batch"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    runtime = agent = serial_item = serial_batch = None
+    runtime = agent = None
+    serial: dict[str, float] = {}
     if kind == "cpu":
         runtime = measure_runtime(quick=quick)
-        serial_item, serial_batch, serial = measure_host_serial(quick=quick)
-        method += (
-            f"; host serial (GIL-held) time per item: process CPU of the runtime over tiny JPEGs "
-            f"on {serial['workers']} worker threads, fast and general paths, at batch sizes "
-            f"{', '.join(map(str, SERIAL_BATCHES))}, us/item {serial['us_per_item_at_batch']}, "
-            f"fit a + b / batch size, the {serial['path']} path's kept (the costlier at batch "
-            f"{max(SERIAL_BATCHES)})"
-        )
+        fits, info = measure_host_serial(quick=quick)
+        serial = _serial_terms(fits)
+        method += f"; {_serial_method('a host stage', 'cpu', info)}"
     if kind in ("cpu", "dpu") and "tcp" in links:
         # an agent on these cores (the local topology's emulated DPU, or on a DPU the agent
         # itself), over tcp as it serves; None where the machine has one core
@@ -577,6 +605,5 @@ def measure(
         "<measured>",
         runtime,
         agent,
-        serial_item,
-        serial_batch,
+        **serial,
     )

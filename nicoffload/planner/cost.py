@@ -108,12 +108,16 @@ class CostModel:
     # for every placement, so it is left out of the search and added to the plan's figures
     # (`runtime_load`); folding it into the solvers is the planner issue's (#20)
     base: np.ndarray | None = None
-    # (D,) ms per item that each host stage on device d holds the host process's interpreter
-    # (the GIL), its per-batch part shared by a batch's items; non-zero only on the CPU that
-    # runs the Session, whose stages all share it (`host_serial`; evaluate: Metrics.serial).
+    # (2, D) ms per item that each stage on device d holds the host process's interpreter
+    # (the GIL), its per-batch part shared by a batch's items, when the runtime's fast path
+    # runs the plan (row 0) or its general path (row 1; `evaluate.fast_path`): the CPU that
+    # runs the Session and its GPUs (whose stages that process feeds), all sharing it
+    # (`host_serial`; evaluate: Metrics.serial); 0 on other devices (an agent is its own
+    # process).
     # The solvers' own load rows leave it out: evaluate counts it, so the DP's final choice
     # and every plan's figures do; the MILP's bottleneck rows do not (the planner issue's)
     serial: np.ndarray | None = None
+    kinds: tuple[str, ...] = ()  # (D,) each device's kind: cpu | dpu | gpu
 
     @property
     def n(self) -> int:
@@ -381,6 +385,7 @@ def build_model(
         egress=ids.index(topology.egress),
         base=runtime_load(topology, profiles, len(rt.resources)),
         serial=host_serial(topology, profiles, pipeline.batch_max_size),
+        kinds=tuple(d.kind for d in topology.devices),
     )
 
 
@@ -420,17 +425,25 @@ def session_host(topology: Topology):
 def host_serial(
     topology: Topology, profiles: Mapping[str, Profile], batch_size: int
 ) -> np.ndarray | None:
-    """(D,) ms per item a host stage holds the host process's interpreter, on the CPU that
-    runs the Session: its profile's `serial_us_per_item + serial_us_per_batch / batch size`;
-    None where that profile lacks them (measured before they were: no cap, as before)."""
+    """(2, D) ms per item a stage holds the host process's interpreter, on the runtime's fast
+    path and on its general path: on the CPU that runs the Session and on each GPU (fed by
+    that process), its profile's `serial_us_per_item + serial_us_per_batch / batch size`
+    (`serial_general_...` on the general path; the fast path's figures where a profile has
+    only those), 0 where the profile lacks them (measured before they were) and on other
+    devices; None when no device has them (no cap, as before)."""
     host = session_host(topology)
-    prof = profiles.get(host.id) if host is not None else None
-    if prof is None or prof.serial_us_per_item is None or prof.serial_us_per_batch is None:
-        return None
-    out = np.zeros(len(topology.ids))
-    per_batch = prof.serial_us_per_batch / max(1, batch_size)
-    out[topology.ids.index(host.id)] = (prof.serial_us_per_item + per_batch) * 1e-3
-    return out
+    out = np.zeros((2, len(topology.ids)))
+    for d, dev in enumerate(topology.devices):
+        prof = profiles.get(dev.id)
+        if (host is None or dev.id != host.id) and dev.kind != "gpu":
+            continue
+        if prof is None or prof.serial_us_per_item is None or prof.serial_us_per_batch is None:
+            continue
+        fast = (prof.serial_us_per_item, prof.serial_us_per_batch)
+        general = (prof.serial_general_us_per_item, prof.serial_general_us_per_batch)
+        for path, (a, b) in enumerate((fast, general if None not in general else fast)):
+            out[path, d] = (a + b / max(1, batch_size)) * 1e-3
+    return out if out.any() else None
 
 
 def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:

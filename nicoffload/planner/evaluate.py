@@ -149,16 +149,39 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
     )
 
 
+def stage_starts(placements: np.ndarray) -> np.ndarray:
+    """(M, n) whether node v starts a stage: runs of nodes on one device in topological order,
+    as `plan.stages_for` cuts them."""
+    P = np.atleast_2d(placements)
+    starts = np.ones(P.shape, dtype=bool)
+    starts[:, 1:] = P[:, 1:] != P[:, :-1]
+    return starts
+
+
+def fast_path(model: CostModel, placements: np.ndarray) -> np.ndarray:
+    """(M,) whether the runtime's fast path runs each placement (`runtime.chain.fast_path`:
+    [a DPU stage] -> host CPU stages -> [a GPU stage]); the general path runs the others."""
+    P = np.atleast_2d(placements)
+    if not model.kinds:
+        return np.ones(len(P), dtype=bool)
+    kinds = np.array(model.kinds)
+    starts = stage_starts(P)
+    n = P.shape[1]
+    last = n - 1 - np.argmax(starts[:, ::-1], axis=1)  # where the last stage starts
+    at = np.arange(n)
+    k = kinds[P]
+    fits = (k == "cpu") | ((k == "dpu") & (at == 0)) | ((k == "gpu") & (at == last[:, None]))
+    return np.all(fits | ~starts, axis=1)
+
+
 def serial_load(model: CostModel, placements: np.ndarray) -> np.ndarray:
     """(M,) ms per item of the host process's interpreter: `model.serial` of each stage's
-    device, summed over the stages (runs of nodes on one device in topological order, as
-    `plan.stages_for` cuts them)."""
+    device on the path that runs the placement, summed over its stages."""
     P = np.atleast_2d(placements)
     if model.serial is None or not P.shape[1]:
         return np.zeros(len(P))
-    starts = np.ones(P.shape, dtype=bool)
-    starts[:, 1:] = P[:, 1:] != P[:, :-1]
-    return (model.serial[P] * starts).sum(axis=1)
+    path = np.where(fast_path(model, P), 0, 1)
+    return (model.serial[path[:, None], P] * stage_starts(P)).sum(axis=1)
 
 
 def figures(model: CostModel, m: Metrics, row: int = 0) -> dict[str, float]:

@@ -158,3 +158,82 @@ def test_fit_serial_recovers_per_item_and_per_batch_parts() -> None:
     )
     # a smaller batch measured cheaper (noise): no per-batch part, the mean per item
     assert fit_serial([(64, 50.0), (8, 40.0)]) == pytest.approx((45.0, 0.0))
+
+
+def test_a_gpu_stages_host_side_python_shares_the_same_interpreter(tmp_path: Path) -> None:
+    """The GPU's batches are fed and handed on by the host process: its measured serial time
+    adds to the host stages' (and caps all-GPU too)."""
+    pipeline, topo, profiles = _case(tmp_path, serial_us_per_item=30.0, serial_us_per_batch=0.0)
+    profiles[1] = _profile("gpu", GPU_MS, serial_us_per_item=50.0, serial_us_per_batch=0.0)
+    split = plan_placement(pipeline, SPLIT, topo, profiles)
+    assert split.predicted.throughput_per_s == pytest.approx(1e3 / 0.080, rel=1e-6)
+    plan = plan_for(pipeline, topo, profiles, explain=True)
+    assert dict(plan.placement) == ALL_GPU  # the GPU's 0.060 ms, over its own 0.050 serial
+    assert plan.predicted.throughput_per_s == pytest.approx(1e3 / 0.060, rel=1e-3)
+    assert plan.explain["host_process"]["load_ms_per_item"] == pytest.approx(0.050)
+
+
+def test_a_cpu_that_does_not_run_the_session_has_no_share_of_its_interpreter(
+    tmp_path: Path,
+) -> None:
+    topo = tmp_path / "two.yaml"
+    topo.write_text(
+        "name: two\ningress: cpu\ndevices:\n  cpu: {kind: cpu, cores: 8}\n"
+        "  cpu1: {kind: cpu, cores: 8}\nlinks:\n  - {between: [cpu, cpu1], transport: tcp, bandwidth: 10Gb/s}\n"
+    )
+    topology = load_topology(topo)
+    prof = _profile("cpu", CPU_MS, serial_us_per_item=100.0, serial_us_per_batch=0.0)
+    pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
+    model = build_model(
+        pipeline, topology, resolve_profiles(topology, prof), Catalog.from_registry()
+    )
+    assert model.serial.tolist() == [pytest.approx([0.1, 0.0])] * 2  # both paths
+
+
+def test_each_placement_pays_the_serial_time_of_the_runtime_path_that_runs_it(
+    tmp_path: Path,
+) -> None:
+    """GPU -> host runs on the general path (`runtime.chain`), host -> GPU on the fast path
+    (`runtime.executor`): each is priced by its own measured figures."""
+    from nicoffload.planner.evaluate import fast_path
+
+    model, _ = _model(
+        tmp_path,
+        serial_us_per_item=100.0,
+        serial_us_per_batch=0.0,
+        serial_general_us_per_item=20.0,
+        serial_general_us_per_batch=0.0,
+    )
+    host_then_gpu = {"decode": "cpu", "resize": "cpu", "crop": "gpu0", "norm": "gpu0"}
+    rows = np.vstack([_row(model, p) for p in (SPLIT, host_then_gpu, ALL_GPU)])
+    assert fast_path(model, rows).tolist() == [False, True, True]
+    assert evaluate(model, rows).serial.tolist() == pytest.approx([0.020, 0.100, 0.0])
+
+
+def test_the_runtime_paths_are_told_apart_as_the_runtime_tells_them(tmp_path: Path) -> None:
+    import itertools
+
+    from nicoffload.planner.evaluate import fast_path
+    from nicoffload.planner.plan import Plan, stages_for
+    from nicoffload.runtime.chain import fast_path as runtime_fast_path
+
+    pipeline, _, profiles = _case(tmp_path)
+    topo = tmp_path / "three.yaml"
+    topo.write_text(
+        TOPOLOGY.replace(
+            "  gpu0: {kind: gpu}\n", "  gpu0: {kind: gpu}\n  dpu0: {kind: dpu, cores: 8}\n"
+        )
+        + "  - {between: [cpu, dpu0], transport: tcp, bandwidth: 100Gb/s}\n"
+    )
+    topology = load_topology(topo)
+    model = build_model(
+        pipeline, topology, resolve_profiles(topology, profiles), Catalog.from_registry()
+    )
+    assert set(model.kinds) == {"cpu", "dpu", "gpu"}
+    nodes = list(model.nodes)
+
+    for devices in itertools.product(model.devices, repeat=len(nodes)):
+        placement = dict(zip(nodes, devices, strict=True))
+        stages, transfers = stages_for(pipeline, placement)
+        plan = Plan(pipeline.name, placement, stages, transfers)
+        assert fast_path(model, _row(model, placement))[0] == runtime_fast_path(plan), placement

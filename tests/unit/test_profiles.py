@@ -148,6 +148,7 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     assert back.agent_us_per_item == 12.5
     assert back.serial_us_per_item == p.serial_us_per_item > 0
     assert back.serial_us_per_batch == p.serial_us_per_batch >= 0
+    assert back.serial_general_us_per_item == p.serial_general_us_per_item > 0
     assert "host serial (GIL-held) time per item" in back.method
     assert back.kernels["decode_image"].c_ms == pytest.approx(
         p.kernels["decode_image"].c_ms, rel=1e-4
