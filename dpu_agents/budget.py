@@ -1,6 +1,7 @@
 """The agent's memory budget, per client (connection) and over every client, in three pools:
 request payloads queued (received, not yet forwarded), images being decoded (their size read
-from each header before a pixel is decoded) and LOADs' batch slots.
+from each header before a pixel is decoded) and LOADs' batch slots; and a fourth, the agent's
+own: the worker processes' arenas (`procs.Arenas`), taken and given back with `Budget.take`.
 
 A reader that would go over its client's share, or the total, waits (it stops reading its
 socket: backpressure); only what is larger than a whole pool is refused, by the caller. A holder
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from dpu_agents.config import AgentConfig
     from dpu_agents.stagebuild import Built
 
-QUEUED, DECODE, BATCH = "queued", "decode", "batch"
-KINDS = (QUEUED, DECODE, BATCH)
+QUEUED, DECODE, BATCH, ARENA = "queued", "decode", "batch", "arena"
+KINDS = (QUEUED, DECODE, BATCH, ARENA)
 _CREATE = threading.Lock()  # one Budget per agent, made by its first connection
 
 
@@ -37,15 +38,34 @@ class Budget:
             QUEUED: config.queued_bytes,
             DECODE: config.decode_bytes,
             BATCH: config.batch_bytes,
+            ARENA: config.arena_bytes,
         }
         self.per_client = {
             QUEUED: config.queued_bytes_per_client,
             DECODE: config.decode_bytes_per_client,
             BATCH: config.batch_bytes,
+            ARENA: config.arena_bytes,  # no client's: the agent's (`take`)
         }
+        self.arena_most, self.arena_keep = config.max_arena_bytes, config.arena_keep_bytes
         self.used = dict.fromkeys(KINDS, 0)
         self.cond = threading.Condition()
         self.deadlines = Deadlines()
+
+    def take(self, kind: str, n: int) -> bool:
+        """Take `n` bytes of `kind` for the agent itself (what no client holds: a worker's
+        arena, shared by every session) if they fit the total now; False if not."""
+        with self.cond:
+            if self.used[kind] + n > self.total[kind]:
+                return False
+            self.used[kind] += n
+            return True
+
+    def give(self, kind: str, n: int) -> None:
+        """Give back what `take` took."""
+        with self.cond:
+            assert 0 <= n <= self.used[kind], (kind, n)
+            self.used[kind] -= n
+            self.cond.notify_all()
 
     def client(self) -> Account:
         return Account(self)

@@ -60,6 +60,11 @@ class AgentConfig:
     decode_bytes: int = 2 << 30  # images being decoded (sized from their headers), all clients
     decode_bytes_per_client: int = 512 << 20
     batch_bytes: int = 2 << 30  # the batch slots of every loaded stage
+    # The worker processes' arenas (shared memory the rows' inputs, and their outputs of varying
+    # shape, cross in): all of them, one at most, and the size one keeps between chunks.
+    arena_bytes: int = 1 << 30
+    max_arena_bytes: int = 256 << 20  # a row needing more runs on the host (slot_overflow)
+    arena_keep_bytes: int = 16 << 20  # a larger arena is given back after its chunk
     payload_timeout_s: float = 20.0  # a request's whole payload must arrive within this
     # What a LOAD may ask for; above it the LOAD is refused, naming the key.
     max_pixels: int = 40_000_000  # a decode_image node's max_pixels
@@ -101,6 +106,12 @@ def _checked(cfg: AgentConfig, mark: Mark) -> AgentConfig:
         raise UserError(
             f"'worker_processes' must be one of {', '.join(WORKER_PROCESSES)}, "
             f"got {cfg.worker_processes!r}",
+            mark,
+        )
+    if not cfg.arena_keep_bytes <= cfg.max_arena_bytes <= cfg.arena_bytes:
+        raise UserError(
+            "the arena sizes must be arena_keep_bytes <= max_arena_bytes <= arena_bytes, got "
+            f"{cfg.arena_keep_bytes}, {cfg.max_arena_bytes}, {cfg.arena_bytes}",
             mark,
         )
     for name in _FIELDS:

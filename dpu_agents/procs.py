@@ -2,13 +2,17 @@
 the interface of `session.WorkerPool` whose threads each drive one process (`dpu_agents.worker`).
 
 A session's batch slots are one shared-memory segment (`shared_slots`) that every worker maps;
-a worker thread takes rows of a batch, copies their values into its process's input arena
-(shared memory too, grown as needed), sends the rows' places in one message and gets back which
-rows failed and why, which outputs each wrote, the outputs of varying shape, and the step times.
-The GIL is held only around that message: the kernels run in processes of their own.
+a worker thread takes rows of a batch, copies their values into its process's input arena, sends
+the rows' places in one message and gets back which rows failed and why, which outputs each
+wrote, and the step times; outputs of varying shape come back through its output arena, which
+the worker asks the agent to empty (`flush`) when the next one does not fit. The arenas
+(`Arenas`) are bounded and counted in the agent's memory budget. The GIL is held only around
+those messages: the kernels run in processes of their own.
 
-A worker process that dies fails the rows it held (`internal`, with its exit status: the host
-runs them itself) and is started again, the loaded stages built in it anew.
+A worker process that dies fails the rows it held (`agent_worker_lost`, with its exit status:
+the host runs them itself) and is started again, the loaded stages built in it anew. Every
+worker is started from one thread of the pool (`Spawner`) and dies with the agent (PDEATHSIG,
+set by the worker), even while stopped.
 """
 
 from __future__ import annotations
@@ -27,22 +31,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
+from dpu_agents.budget import ARENA
+from dpu_agents.config import AgentConfig
 from dpu_agents.logs import log_event
 from nicoffload.errors import AgentError, TransportError
 from nicoffload.graph import TensorSpec
-from nicoffload.runtime.batch import WORKER_LOST
+from nicoffload.runtime.batch import SLOT_OVERFLOW, WORKER_LOST
 from nicoffload.transport.shm import Segment
 from nicoffload.transport.slots import ALIGN
+
+if TYPE_CHECKING:
+    from dpu_agents.budget import Budget
 
 log = logging.getLogger("dpu_agents.procs")
 READY_S = 120.0  # a new worker imports numpy, numba and the kernels (their cache on disk)
 LOAD_S = 300.0  # a stage built in a worker: its kernels compiled, or read from numba's cache
-MAX_MESSAGE = 1 << 34
+MAX_MESSAGE = 64 << 20  # control only (values cross in the arenas): more is a broken link
 BYTES, TENSOR, TEXT = 0, 1, 2  # how a value lies in the arena: bytes, an array, utf-8 text
 _local = threading.local()
 
@@ -122,30 +132,167 @@ class WorkerGone(Exception):
     """The worker process exited (or stopped answering) during a call."""
 
 
+class Spawner:
+    """Starts every worker process from one thread that lives as long as the pool: the
+    PDEATHSIG a worker sets (`worker.die_with`) fires when the *thread* that forked it exits,
+    and workers are also restarted from short-lived threads (a LOAD's)."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="agent-spawner", daemon=True)
+        self._thread.start()
+
+    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """`subprocess.Popen(args, **kwargs)`, run by the spawner's thread."""
+        done: Future[subprocess.Popen[bytes]] = Future()
+        with self._lock:
+            if self._closed:
+                raise WorkerGone("the pool is closed: no worker process is started")
+            self._requests.put((args, kwargs, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while (req := self._requests.get()) is not None:
+            args, kwargs, done = req
+            try:
+                done.set_result(subprocess.Popen(args, **kwargs))
+            except BaseException as exc:  # the caller raises it
+                done.set_exception(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._requests.put(None)
+        self._thread.join()
+
+
+IN, OUT = 0, 1  # a worker's arenas: its rows' inputs; their outputs of varying shape
+FLOOR = 64 << 10  # the smallest arena
+_MIB = 1 << 20
+
+
+class Arenas:
+    """A worker's two arenas, each one shared-memory segment (or none yet) that grows to what a
+    chunk needs: never past `most` bytes nor past what the agent's budget (ARENA, whose bytes
+    it holds) has left; `trim` gives back one over `keep` bytes once its chunk is done. Used
+    by the worker's pool thread only."""
+
+    def __init__(self) -> None:
+        self.segs: list[Segment | None] = [None, None]
+        self.budget: Budget | None = None
+        self.most, self.keep = AgentConfig.max_arena_bytes, AgentConfig.arena_keep_bytes
+
+    def use(self, budget: Budget | None) -> None:
+        """Count the arenas in `budget` (the agent's: the same one at every call), within its
+        limits."""
+        if budget is None or budget is self.budget:
+            return
+        self.close()  # what the previous budget held goes back to it
+        self.budget, self.most, self.keep = budget, budget.arena_most, budget.arena_keep
+
+    def size(self, which: int) -> int:
+        seg = self.segs[which]
+        return 0 if seg is None or seg.array is None else seg.array.size
+
+    def array(self, which: int) -> np.ndarray | None:
+        seg = self.segs[which]
+        return None if seg is None else seg.array
+
+    def where(self, which: int) -> list[Any]:
+        """[name, size] as a worker attaches it; ["", 0] for none."""
+        seg = self.segs[which]
+        return ["", 0] if seg is None else [seg.name, self.size(which)]
+
+    def fit(self, which: int, n: int) -> bool:
+        """Whether arena `which` holds n bytes now, grown if need be (what it held is lost:
+        callers grow it empty); False over `most` or past the budget's room (`why` says which).
+        WorkerGone when shared memory has no room for it."""
+        n, have = max(n, 1), self.size(which)
+        if n <= have:
+            return True
+        if n > self.most:
+            return False
+        size = min(_arena_size(n, self.keep), self.most)
+        if self.budget is not None and not self.budget.take(ARENA, size - have):
+            return False
+        self._close(which, give=False)  # its bytes stay taken, as part of the new one's
+        name = f"nicoffload-{('in', 'out')[which]}-{secrets.token_hex(8)}"
+        try:
+            self.segs[which] = Segment(name, size, create=True)
+        except TransportError as exc:
+            if self.budget is not None:
+                self.budget.give(ARENA, size)
+            raise WorkerGone(str(exc)) from None
+        return True
+
+    def why(self, which: int, n: int) -> str:
+        """Why `fit(which, n)` said no."""
+        what = ("inputs", "outputs of varying shape")[which]
+        if n > self.most:
+            return f"its {what} take {n} bytes, more than the agent's max_arena_bytes ({self.most})"
+        total = self.budget.total[ARENA] if self.budget is not None else 0
+        return f"the agent's arena_bytes ({total}) has no room now for its {what} ({n} bytes)"
+
+    def trim(self) -> None:
+        """Give back an arena over `keep` bytes (its chunk is done; the worker let it go too)."""
+        for which in (IN, OUT):
+            if self.size(which) > self.keep:
+                self._close(which)
+
+    def _close(self, which: int, give: bool = True) -> None:
+        seg, n = self.segs[which], self.size(which)
+        if seg is None:
+            return
+        seg.close()
+        self.segs[which] = None
+        if give and self.budget is not None:
+            self.budget.give(ARENA, n)
+
+    def close(self) -> None:
+        for which in (IN, OUT):
+            self._close(which)
+
+
+def _arena_size(n: int, keep: int) -> int:
+    """A power of two (few regrowths) while it may be kept between chunks; else n in whole MiB
+    (it goes after its chunk: no more than it needs)."""
+    size = 1 << (max(n, FLOOR) - 1).bit_length()
+    return size if size <= keep else -(-n // _MIB) * _MIB
+
+
 class Proc:
     """The agent's side of one worker process, used by one thread at a time (`lock`)."""
 
     def __init__(
-        self, index: int, loads: Callable[[], list[list[Any]]], run_s: float = 120.0
+        self,
+        index: int,
+        loads: Callable[[], list[list[Any]]],
+        run_s: float = 120.0,
+        spawn: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen,
     ) -> None:
         """`run_s`: how long a call on rows may take before the worker is taken as stuck
-        (stopped, or in a kernel that does not return) and killed."""
-        self.index, self._loads, self.run_s = index, loads, run_s
+        (stopped, or in a kernel that does not return) and killed. `spawn`: Popen, or the
+        pool's `Spawner.popen`."""
+        self.index, self._loads, self.run_s, self._spawn = index, loads, run_s, spawn
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.link: Link | None = None
         self._ready = False
-        self.arena: Segment | None = None
-        self.out: Segment | None = None
+        self.arenas = Arenas()
         self.restarts = 0
         self.start()
 
     def start(self) -> None:
         ours, theirs = socket.socketpair()
+        fd = theirs.fileno()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dpu_agents.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+            self.proc = self._spawn(
+                [sys.executable, "-m", "dpu_agents.worker", str(fd), str(os.getpid())],
+                pass_fds=(fd,),
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, "NUMBA_NUM_THREADS": "1"},
             )
@@ -158,9 +305,9 @@ class Proc:
 
     def call(self, msg: list[Any]) -> list[Any]:
         """One message and its reply; WorkerGone if the process is not there to answer."""
-        if self.link is None:
-            self._restart()
         try:
+            if self.link is None:
+                self._restart()
             assert self.link is not None
             if not self._ready:
                 self.link.sock.settimeout(READY_S)
@@ -204,6 +351,13 @@ class Proc:
         self._drop_link()
         return why
 
+    def abandon(self, why: str) -> None:
+        """Kill the worker (its link may be in the middle of an exchange): it is started again
+        on its next call."""
+        if self.proc is not None and self.link is not None:
+            self.proc.kill()
+            self._gone(RuntimeError(why))
+
     def _restart(self) -> None:
         self.restarts += 1
         self.start()
@@ -213,16 +367,6 @@ class Proc:
             self.link.sock.close()
         self.link = None
 
-    def ensure_arena(self, n: int) -> Segment:
-        """An input arena of at least n bytes (a new, larger one replaces a small one)."""
-        self.arena = _at_least(self.arena, n, "in")
-        return self.arena
-
-    def ensure_out(self, n: int) -> Segment:
-        """An output arena (for outputs of varying shape) of at least n bytes."""
-        self.out = _at_least(self.out, n, "out")
-        return self.out
-
     def close(self, timeout: float) -> None:
         self._drop_link()  # the worker exits when its socket closes
         if self.proc is not None:
@@ -231,24 +375,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for seg in (self.arena, self.out):
-            if seg is not None:
-                seg.close()
-        self.arena = self.out = None
-
-
-def _at_least(seg: Segment | None, n: int, what: str) -> Segment:
-    """`seg` if it holds n bytes, else a new one; WorkerGone (its rows go to the host) when
-    shared memory has no room for it."""
-    if seg is not None and seg.array is not None and seg.array.size >= n:
-        return seg
-    if seg is not None:
-        seg.close()
-    size = 1 << (max(n, 1 << 20) - 1).bit_length()
-    try:
-        return Segment(f"nicoffload-{what}-{secrets.token_hex(8)}", size, create=True)
-    except TransportError as exc:
-        raise WorkerGone(str(exc)) from None
+        self.arenas.close()
 
 
 class ProcPool:
@@ -261,7 +388,16 @@ class ProcPool:
         self._loads: dict[int, list[Any]] = {}
         self._loads_lock = threading.Lock()
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.procs = [Proc(i, self.loads, run_s) for i in range(n)]
+        self.spawner = Spawner()
+        self.procs: list[Proc] = []
+        try:
+            for i in range(n):
+                self.procs.append(Proc(i, self.loads, run_s, self.spawner.popen))
+        except BaseException:  # the ones started go again
+            for p in self.procs:
+                p.close(1.0)
+            self.spawner.close()
+            raise
         self._threads = [
             threading.Thread(
                 target=self._work, args=(p,), name=f"agent-worker-{p.index}", daemon=True
@@ -351,6 +487,7 @@ class ProcPool:
             t.join(timeout)
         for p in self.procs:
             p.close(timeout)
+        self.spawner.close()
 
 
 def current() -> Proc:
@@ -360,61 +497,79 @@ def current() -> Proc:
 
 def run_rows(session: Any, job: Any) -> None:
     """`Session._run` with the kernels in this pool thread's worker process: rows taken a few at a
-    time (so the batch still spreads over every worker), their values copied into the
-    worker's arena, and one message each way per chunk."""
+    time (so the batch still spreads over every worker), fewer when their inputs would not fit
+    the input arena, their values copied into it, and one message each way per chunk (and a
+    pair per flush of the output arena)."""
     proc = current()
-    batch, slot = job.batch, job.batch.slot
+    batch = job.batch
     chunk = max(1, -(-job.n // (2 * session.pool.n)))
-    while rows := list(itertools.islice(job.left, chunk)):
+    account = getattr(session, "_account", None)  # its budget is the agent's one
+    proc.arenas.use(account.budget if account is not None else None)
+    rows: list[Any] = []
+    while rows or (rows := list(itertools.islice(job.left, chunk))):
         failed: dict[int, tuple[str, str]] = {}
+        run: list[Any] = []
+        done = rows
         try:
-            with proc.lock:
-                reply = _chunk(session, proc, slot, rows)
-            if reply[0] != "done":
-                raise WorkerGone(str(reply[1]))
-            _, results, seconds, cpu_ns, wall_ns, calls, need = reply
-            stamps = slot.stamps.rows
-            out = proc.out.array if proc.out is not None else None
-            for row, reason, detail, wrote, ragged in results:
-                if reason:
-                    failed[row] = (reason, detail)
-                    continue
-                for k in wrote:
-                    stamps[k][row] = row + 1
-                for k, dtype, shape, off, data in ragged:
-                    if off >= 0:  # copied out: the arena is the next chunk's
-                        n = math.prod(shape) * np.dtype(dtype).itemsize
-                        got = out[off : off + n].view(dtype).reshape(shape).copy()
-                    else:
-                        got = np.frombuffer(data, dtype).reshape(shape)
-                    slot.ragged[k][row] = got
-                    stamps[k][row] = row + 1
-            if need > (out.size if out is not None else 0):
-                proc.ensure_out(need)  # the next chunk's fit
-            tally = session.built.stage.tally()
-            tally.cpu_ns, tally.wall_ns, tally.calls = cpu_ns, wall_ns, calls
-            session.built.stage.add(tally)
-            if seconds:
-                session.metrics.items(session.name, seconds, len(failed))
+            run, refused, rows = _fitting(proc.arenas, rows, failed)
+            done = run + refused
+            if run:
+                _run_chunk(session, proc, batch.slot, run, failed)
+        except WorkerGone as exc:  # shared memory has no room for the input arena
+            rows = []
+            failed.update((row, (SLOT_OVERFLOW, str(exc))) for row, _ in done)
+        finally:
+            for _, values in done:
+                values.clear()
             for reason, _ in failed.values():
                 session.metrics.error(reason)
-        except WorkerGone as exc:  # a row it did not answer for is sent unwritten
-            failed = {row: (WORKER_LOST, str(exc)) for row, _ in rows}
-            for _ in rows:
-                session.metrics.error(WORKER_LOST)
-        except Exception as exc:  # a bug here fails the rows, never the session
-            detail = f"{type(exc).__name__}: {exc}"
-            failed = {row: ("internal", detail) for row, _ in rows}
-            session.metrics.error("internal")
-            log_event(log, logging.ERROR, "item_failed", stage=session.name, error=detail)
-        finally:
-            for _, values in rows:
-                values.clear()
-            batch.finish_rows(len(rows), failed)
+            batch.finish_rows(len(done), failed)
 
 
-def _chunk(session: Any, proc: Proc, slot: Any, rows: list) -> list[Any]:
-    """Copy the rows' values into the worker's arena and run them there."""
+def _fitting(arenas: Arenas, rows: list[Any], failed: dict) -> tuple[list, list, list]:
+    """The first of `rows` whose inputs the input arena holds (grown if need be: halving the
+    rows until they fit), none refused, and the rest; or, when the first row does not fit alone,
+    that row refused (failed, for the host to run) and the rest."""
+    sizes = [sum(_aligned(_nbytes(v)) for v in values.values()) for _, values in rows]
+    k = len(rows)
+    while k and not arenas.fit(IN, sum(sizes[:k])):
+        k //= 2
+    if k:
+        return rows[:k], [], rows[k:]
+    failed[rows[0][0]] = (SLOT_OVERFLOW, arenas.why(IN, sizes[0]))
+    return [], rows[:1], rows[1:]
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, np.ndarray):
+        return v.nbytes
+    if isinstance(v, str):
+        return len(v.encode("utf-8"))
+    return memoryview(v).nbytes
+
+
+def _run_chunk(session: Any, proc: Proc, slot: Any, rows: list[Any], failed: dict) -> None:
+    """Run the rows in the worker; those it did not answer for fail (agent_worker_lost: the host
+    runs them), the others as it said."""
+    finished: set[int] = set()
+    try:
+        with proc.lock:
+            _chunk(session, proc, slot, rows, failed, finished)
+    except WorkerGone as exc:
+        failed.update((row, (WORKER_LOST, str(exc))) for row, _ in rows if row not in finished)
+    except Exception as exc:  # a bug here fails the rows, never the session
+        detail = f"{type(exc).__name__}: {exc}"
+        failed.update((row, ("internal", detail)) for row, _ in rows if row not in finished)
+        log_event(log, logging.ERROR, "item_failed", stage=session.name, error=detail)
+        with proc.lock:
+            proc.abandon(detail)
+
+
+def _chunk(
+    session: Any, proc: Proc, slot: Any, rows: list[Any], failed: dict, finished: set[int]
+) -> None:
+    """Copy the rows' values into the worker's input arena (`_fitting` sized it) and run them
+    there; their outputs of varying shape are copied out of the output arena at each flush."""
     places, at = [], 0
     parts = []
     for row, values in rows:
@@ -431,13 +586,62 @@ def _chunk(session: Any, proc: Proc, slot: Any, rows: list) -> list[Any]:
                 raw = np.frombuffer(v, np.uint8)
                 where.append([k, BYTES, at, raw.size, "|u1", [raw.size]])
             parts.append((at, raw))
-            at += -(-raw.size // ALIGN) * ALIGN
+            at += _aligned(raw.size)
         places.append([row, where])
-    arena = proc.ensure_arena(at)
-    out = proc.out or proc.ensure_out(0)
-    buf = arena.array
-    assert buf is not None and out.array is not None
+    arenas = proc.arenas
+    buf = arenas.array(IN)
+    assert buf is not None and at <= buf.size
     for off, raw in parts:
         buf[off : off + raw.size] = raw
-    where = [[arena.name, buf.size], [out.name, out.array.size]]
-    return proc.call(["run", session.key, slot.index, *where, places])
+    try:
+        msg = ["run", session.key, slot.index, arenas.where(IN), arenas.where(OUT)]
+        reply = proc.call([*msg, arenas.keep, places])
+        while reply[0] == "flush":  # the outputs so far out, and room for the next row's
+            _results(slot, arenas.array(OUT), reply[1], failed, finished)
+            reply = proc.call(_room(arenas, reply[2]))
+        if reply[0] != "done":
+            raise WorkerGone(str(reply[1]))
+        _, results, seconds, cpu_ns, wall_ns, calls = reply
+        _results(slot, arenas.array(OUT), results, failed, finished)
+    finally:
+        arenas.trim()
+    stage = session.built.stage
+    tally = stage.tally()
+    tally.cpu_ns, tally.wall_ns, tally.calls = cpu_ns, wall_ns, calls
+    stage.add(tally)
+    if seconds:
+        session.metrics.items(session.name, seconds, len(failed))
+
+
+def _room(arenas: Arenas, need: int) -> list[Any]:
+    """The answer to a flush: the output arena, grown to `need` bytes if it must be, or why the
+    row that needs them is run on the host (the worker waits for one of the two)."""
+    try:
+        if arenas.fit(OUT, need):
+            return ["go", arenas.where(OUT)]
+        why = arenas.why(OUT, need)
+    except WorkerGone as exc:  # shared memory has no room
+        why = str(exc)
+    return ["skip", SLOT_OVERFLOW, why]
+
+
+def _results(slot: Any, out: np.ndarray | None, results: list[Any], failed: dict, finished: set):
+    """Stamp the rows a worker answered for, their outputs of varying shape copied out of the
+    output arena (the next rows' are written there)."""
+    stamps = slot.stamps.rows
+    for row, reason, detail, wrote, ragged in results:
+        if reason:
+            failed[row] = (reason, detail)
+        else:
+            for k in wrote:
+                stamps[k][row] = row + 1
+            for k, dtype, shape, off in ragged:
+                got = np.empty(shape, dtype)
+                n = got.nbytes
+                if n:
+                    if out is None or off < 0 or off + n > out.size:
+                        raise ValueError(f"a worker put {n} bytes at {off} of a smaller arena")
+                    got.reshape(-1).view(np.uint8)[:] = out[off : off + n]
+                slot.ragged[k][row] = got
+                stamps[k][row] = row + 1
+        finished.add(row)
