@@ -67,6 +67,7 @@ from nicoffload.planner.plan import Plan
 from nicoffload.procstat import child_pids, process_cpu_s, tree_cpu_s
 from nicoffload.serve import loadgen as lg
 from nicoffload.serve.kserve import HEADER_LENGTH
+from nicoffload.serve.threads import cpu_by_thread
 from nicoffload.topology import local_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,11 @@ class Serve:
         return process_cpu_s(self.proc.pid), sum(
             tree_cpu_s(a) for a in self.agents
         )  # their worker processes too
+
+    def threads(self) -> dict[str, float]:
+        """serve's CPU s by thread name (serve names its threads: event loop, batcher,
+        the runtime's workers, reader and feeder)."""
+        return cpu_by_thread(self.proc.pid)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -273,13 +279,17 @@ def curve(t: Target, s: Serve, args: argparse.Namespace) -> dict[str, Any]:
             break
         saturation = rate
     opened = []
-    cpu0 = s.cpu()
+    cpu0, threads0 = s.cpu(), s.threads()
     for share in (0.5, 0.8) if saturation else ():  # none kept up: nothing to load at
         rate = round(saturation * share, 1)
         print(f"  open loop, {rate}/s ...", file=sys.stderr, flush=True)
         opened.append(load(t, args.open_s, rate=rate) | {"share": share})
-    cpu1 = s.cpu()
+    cpu1, threads1 = s.cpu(), s.threads()
     answered = sum(r["ok"] for r in opened) or 1
+    by_thread = {
+        k: round((v - threads0.get(k, 0.0)) / answered * 1e3, 3)
+        for k, v in sorted(threads1.items(), key=lambda kv: threads0.get(kv[0], 0.0) - kv[1])
+    }
     p50 = unloaded["latency_ms"]["p50"]
     at50, at80 = (r["latency_ms"]["p99"] for r in opened) if opened else (None, None)
     # the highest rate answered with p99 <= 20 ms (issue #19's H200 target)
@@ -305,6 +315,9 @@ def curve(t: Target, s: Serve, args: argparse.Namespace) -> dict[str, Any]:
         "tail_at_50pct_ms": opened[0].get("tail_breakdown_ms") if opened else None,
         "serve_cpu_ms_per_request": round((cpu1[0] - cpu0[0]) / answered * 1e3, 3),
         "agent_cpu_ms_per_request": round((cpu1[1] - cpu0[1]) / answered * 1e3, 3),
+        # where serve's CPU went, by thread (MainThread: the event loop, HTTP or gRPC;
+        # nicoffload-serv: the batcher; nicoffload-work: the runtime's workers)
+        "serve_cpu_ms_per_request_by_thread": {k: v for k, v in by_thread.items() if v},
         "client_cpu_ms_per_request": round(
             sum(r["client_cpu_ms_per_request"] * r["ok"] for r in opened) / answered, 3
         ),

@@ -111,6 +111,8 @@ async def _serve(
 ) -> None:
     from aiohttp import web
 
+    from nicoffload.serve.threads import name_os_threads
+
     host, port = listen
 
     runner = web.AppRunner(server.app, handle_signals=False, access_log=None)
@@ -145,12 +147,17 @@ async def _serve(
     loop = asyncio.get_running_loop()
     previous = signal.getsignal(signal.SIGTERM)  # `handle_errors`' (SIGTERM unwinds)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    name_os_threads()  # the event loop, batcher and workers by name in top -H and /proc
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
 
     async def stream_ended() -> None:  # the pipeline failed: stop serving (exit 1 below)
+        polls = 0
         while not batcher.ended.is_set():
             await asyncio.sleep(0.2)
+            polls += 1
+            if polls % 25 == 0:  # threads started since (the executor's for large requests)
+                name_os_threads()
 
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(stream_ended())]
     try:
