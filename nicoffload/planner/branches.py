@@ -271,12 +271,14 @@ def bucketed(ch: Chains, suff: list[np.ndarray] | None, bound: float) -> Buckete
 
     A budget is rounded down to the largest completion latency that still fits, so two
     budgets admitting the same completions meet in one state. Comparisons allow 1e-10 of the
-    bound per step for float rounding, well inside the REL_TOL every objective is judged by.
+    class's longest latency per step for float rounding, well inside the REL_TOL every
+    objective is judged by. Past the source every budget is such a latency, so the graph
+    depends on the bound only through where the source's arcs round to (`bucket_key`).
     """
     if not np.isfinite(bound):
         return Bucketed(np.arange(len(ch.tail)), ch.tail, ch.head, ch.n_states, ch.sink)
     assert suff is not None
-    eps = abs(bound) * 1e-10
+    eps = _eps(suff)
     ids: dict[tuple[int, float], int] = {(0, bound * (1 + REL_TOL / 2)): 0}
     budgets: dict[int, list[float]] = defaultdict(list)
     budgets[0].append(bound * (1 + REL_TOL / 2))
@@ -303,3 +305,20 @@ def bucketed(ch: Chains, suff: list[np.ndarray] | None, bound: float) -> Buckete
     return Bucketed(
         np.array(arcs, np.intp), np.array(tails, np.intp), np.array(heads, np.intp), len(ids), sink
     )
+
+
+def _eps(suff: list[np.ndarray]) -> float:
+    """Float rounding allowed per step: 1e-10 of the class's longest completion latency."""
+    top = suff[0][-1] if len(suff[0]) else 0.0
+    return abs(float(top)) * 1e-10 if np.isfinite(top) else 0.0
+
+
+def bucket_key(ch: Chains, suff: list[np.ndarray], bound: float) -> bytes:
+    """What `bucketed(ch, suff, bound)` depends on the bound by: where each arc out of the
+    source rounds its budget to. Bounds with equal keys give identical graphs."""
+    if not np.isfinite(bound):
+        return b"inf"
+    out = np.flatnonzero(ch.tail == 0)
+    b, eps = bound * (1 + REL_TOL / 2), _eps(suff)
+    j = [np.searchsorted(suff[int(ch.head[a])], b - ch.time[a] + eps, side="right") for a in out]
+    return np.array(j, np.int64).tobytes()

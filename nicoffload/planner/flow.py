@@ -75,9 +75,13 @@ class FlowProblem:
         suffixes: list,
         bound: float,
         differ: list[np.ndarray] | None = None,
+        graphs: list[Bucketed] | None = None,
+        scale: float | None = None,
     ) -> None:
+        """`graphs`: the classes bucketed for `bound` (built here when None); `scale`: the
+        rows' unit (see below; from the model when None). Both only save work."""
         self.model, self.classes = model, classes
-        self.graphs: list[Bucketed] = [
+        self.graphs: list[Bucketed] = graphs or [
             bucketed(ch, sfx, bound) for ch, sfx in zip(classes, suffixes, strict=True)
         ]
         self.empty = any(g.sink >= g.n_states for g in self.graphs)
@@ -105,7 +109,7 @@ class FlowProblem:
         self.loads = (lc, lr, lv)  # to read T and H off a solution
         # HiGHS accepts a row violated by 1e-6: in units where T is about 1000 that is 1e-9 of
         # it, well inside the REL_TOL every objective is judged by.
-        self.scale = 1e3 / _typical_load(model, classes)
+        self.scale = scale if scale is not None else row_scale(model, classes)
         self._load_rows(lc, lr, lv * self.scale)
         mc, mv, md = (np.concatenate(x) for x in zip(*mems, strict=True))
         for d in np.flatnonzero(np.isfinite(model.mem_cap)):
@@ -134,6 +138,17 @@ class FlowProblem:
         self.is_arc = np.zeros(self.nv, bool)
         for c, g in enumerate(self.graphs):
             self.is_arc[self.offsets[c] : self.offsets[c] + len(g.arc)] = True
+        # what one copy on an arc alone puts on its busiest resource and on the host: an arc
+        # over a cap carries no copy under it (_solve fixes it at 0: exact, not a presolve).
+        # Only where no arc takes load off the resource (a fused run's delta can be < 0):
+        # there an arc's load is a lower bound of the resource's
+        sure = ~np.isin(lr, lr[lv < 0])
+        self.peak, self.host_work = np.zeros(self.nv), np.zeros(self.nv)
+        np.maximum.at(self.peak, lc[sure], lv[sure])
+        host = np.r_[model.host, np.zeros(len(model.resources) - len(model.host), bool)]
+        if (lv[host[lr]] >= 0).all():
+            on = host[lr]
+            np.add.at(self.host_work, lc[on], lv[on] * model.divisor[lr[on]])
 
     def _row(self, cols, vals, lo: float = -np.inf, hi: float = np.inf) -> None:
         r = len(self._lo)
@@ -308,6 +323,8 @@ class FlowProblem:
             c[{"T": self.T, "H": self.H}[objective]] = 1.0
         ub = self.ub.copy()
         ub[self.T], ub[self.H] = t_cap * self.scale, h_cap * self.scale
+        slack = 1 + 4 * REL_TOL  # more than HiGHS's row tolerance (see scale)
+        ub[(self.peak > t_cap * slack + 1e-12) | (self.host_work > h_cap * slack + 1e-12)] = 0
         lb = np.zeros(self.nv)
         if fix is not None:
             lb[fix[0]] = ub[fix[0]] = fix[1]
@@ -369,6 +386,11 @@ class FlowProblem:
                     s, step = int(g.head[e]), step + 1
             out.append(paths)
         return out
+
+
+def row_scale(model: CostModel, classes: list[Chains]) -> float:
+    """The load rows' unit: T of about 1000 (see FlowProblem)."""
+    return 1e3 / _typical_load(model, classes)
 
 
 def _typical_load(model: CostModel, classes: list[Chains]) -> float:

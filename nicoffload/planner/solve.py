@@ -21,10 +21,12 @@ from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
 from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
+from nicoffload.planner.runner_up import INFEASIBLE, runner_up, search_runner_up
 from nicoffload.profiles import Profile, load_profile
 from nicoffload.topology import Topology, load_topology, local_topology
 
 ProfileArg = str | Path | Profile | Sequence[str | Path | Profile] | None
+__all__ = ["INFEASIBLE", "plan_for", "plan_placement", "runner_up", "solve"]
 
 
 def solve(
@@ -40,51 +42,6 @@ def solve(
     from nicoffload.planner.milp import solve_milp
 
     return solve_milp(model, goal, allowed, exclude, time_limit).placement
-
-
-INFEASIBLE = "no other placement is feasible"
-
-
-def runner_up(
-    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray, time_limit: float = 60.0
-) -> tuple[np.ndarray | None, str | None]:
-    """The best placement other than `best` (for a chain, the best over forcing one node
-    elsewhere), and when there is none, why: none is feasible, or none was found in time."""
-    return _runner_up(model, goal, best, allowed, time_limit)[:2]
-
-
-def _runner_up(
-    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray, time_limit: float
-) -> tuple[np.ndarray | None, str | None, bool]:
-    """runner_up, and whether the time limit cut its search."""
-    if not is_chain(model):
-        from nicoffload.planner.milp import solve_milp
-
-        if time_limit <= 0:
-            return None, "not searched: the time limit was spent on the plan", True
-        result = solve_milp(model, goal, allowed, best, time_limit)
-        if result.placement is not None:
-            return result.placement, None, result.cut
-        if result.status != "infeasible":
-            return None, f"none found in the {time_limit:.2g} s left of the time limit", True
-        return None, INFEASIBLE, result.cut
-    found = []
-    for v in range(model.n):
-        for d in np.flatnonzero(allowed[v]):
-            if d != best[v]:
-                forced = allowed.copy()
-                forced[v] = False
-                forced[v, d] = True
-                p = solve_chain(model, goal, forced)
-                if p is not None:
-                    found.append(p)
-    if not found:
-        return None, INFEASIBLE, False
-    from nicoffload.planner.evaluate import best_row
-
-    P = np.array(found)
-    i = best_row(evaluate(model, P), goal)
-    return (None, INFEASIBLE, False) if i is None else (P[i], None, False)
 
 
 def resolve_topology(topology: Topology | str | Path | None) -> Topology:
@@ -323,7 +280,8 @@ def plan_for(
     if explain:
         from nicoffload.planner.explain import explanation
 
-        second, missing, runner_cut = _runner_up(model, goal, best, allowed, left())
+        proven = not chain and max(gaps) <= 1e-6 and not cut
+        second, missing, runner_cut = search_runner_up(model, goal, best, allowed, left(), proven)
         if runner_cut and second is not None:
             plan = replace(
                 plan,
