@@ -615,9 +615,11 @@ def _chunk(
 
 def _room(arenas: Arenas, need: int) -> list[Any]:
     """The answer to a flush: the output arena, grown to `need` bytes if it must be, or why the
-    row that needs them is run on the host (the worker waits for one of the two)."""
+    row that needs them is run on the host (the worker waits for one of the two). While it may
+    be kept, it grows to twice its size, so that rows of a few MiB soon share a flush."""
+    more = max(need, min(2 * arenas.size(OUT), arenas.keep))
     try:
-        if arenas.fit(OUT, need):
+        if (more > need and arenas.fit(OUT, more)) or arenas.fit(OUT, need):
             return ["go", arenas.where(OUT)]
         why = arenas.why(OUT, need)
     except WorkerGone as exc:  # shared memory has no room

@@ -322,3 +322,33 @@ def test_large_images_cross_bounded_arenas_counted_in_the_budget(tmp_path):
         assert max((max(s, default=0) for s in seen), default=0) <= most
         assert max(sum(s) for s in seen) <= total
         assert all(s <= keep for s in arenas_of(a))  # the outsized ones went after their chunk
+
+
+def test_restarting_worker_processes_leaks_no_descriptor_and_no_process(tmp_path):
+    """Five workers killed and started again within one open session (each session's own
+    descriptors left aside): the agent holds as many descriptors as before, and no process
+    but its two workers (and the resource tracker)."""
+    path = "pipelines/resnet50.yaml"
+    pipeline = pinned(path, {}, tmp_path, "base")
+    items = corpus(pipeline, 8)
+    with started_agent(tmp_path) as a:
+        pins = {n.name: "dpu" for n in pipeline.nodes}
+        plan = plan_for(pinned(path, pins, tmp_path, "all"), agent_topology(a))
+        topo = agent_topology(a)
+        with nicoffload.open(pipeline, plan, topo, token_file=a.token_file, workers=2) as session:
+            session.run(items)
+
+            def fds() -> int:
+                return len(os.listdir(f"/proc/{a.pid}/fd"))
+
+            before = fds()
+            for n in range(1, 6):
+                victim = workers_of(a)[0]
+                os.kill(victim, signal.SIGKILL)
+                assert wait_for(lambda v=victim: gone(v))
+                while stats(a)["pool"]["restarts"] < n:  # its rows run on the host meanwhile
+                    assert session.run(items).ok.sum() >= 6
+            assert stats(a)["pool"]["restarts"] == 5
+            assert len(workers_of(a)) == 2
+            assert len(child_pids(a.pid)) <= 3
+            assert wait_for(lambda: fds() <= before), (fds(), before)
