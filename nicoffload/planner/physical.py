@@ -140,6 +140,12 @@ def complete(pipeline: Pipeline, plan: Plan, topology: Topology | None) -> Plan:
     return dataclasses.replace(plan, physical=physical)
 
 
+def ring_slots(plan: Plan, stage: StagePlan) -> int:
+    """The receiver ring's slots of DPU stage `stage`, so the batches it may hold at its agent
+    and on the way back at once: the plan's decision, else the one `complete` makes."""
+    return int(plan.physical.get(stage.name, {}).get("slots", RING_SLOTS))
+
+
 def of_stage(plan: Plan, stage: StagePlan) -> dict[str, int | float | str]:
     """The stage's physical decisions (KeyError for a plan not `complete`d)."""
     return plan.physical[stage.name]

@@ -23,6 +23,7 @@ import numpy as np
 
 from nicoffload.errors import DeviceError, SystemFailure
 from nicoffload.graph import Pipeline
+from nicoffload.planner.physical import ring_slots
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, Stamps, settle
 from nicoffload.runtime.buffers import drain as drain_until
@@ -128,7 +129,9 @@ class Chain:
             front = fronts.get(st.name)
             if front is None:
                 raise DeviceError(f"stage '{st.name}' needs a DPU agent for '{st.device}'")
-            return DpuPart(self.pipeline, st, front, self.pool, self.workers)
+            return DpuPart(
+                self.pipeline, st, front, self.pool, self.workers, ring_slots(self.plan, st)
+            )
         raise DeviceError(f"stage '{st.name}': no runtime for device kind '{st.kind}'")
 
     @property

@@ -16,7 +16,7 @@ from typing import Any
 
 from nicoffload.errors import AgentError
 from nicoffload.graph import Pipeline
-from nicoffload.planner.physical import leaving, spec_of_key
+from nicoffload.planner.physical import RING_SLOTS, leaving, spec_of_key
 from nicoffload.planner.plan import StagePlan
 from nicoffload.runtime.buffers import put_unless
 from nicoffload.runtime.parts import Control, HostPart
@@ -29,7 +29,6 @@ from nicoffload.runtime.remote import (
 )
 from nicoffload.runtime.work import Work, stage_reads
 
-DEPTH = 4  # batches a DPU stage keeps at its agent at once (the receiver ring's slots)
 _END = object()
 
 
@@ -54,8 +53,10 @@ class DpuPart:
         front: RemoteFront,
         pool: ThreadPoolExecutor,
         workers: int,
+        depth: int = RING_SLOTS,
     ) -> None:
-        self.plan, self.front = plan, front
+        """`depth`: batches kept at the agent at once (its receiver ring's slots, the plan's)."""
+        self.plan, self.front, self.depth = plan, front, depth
         self.makes = {k: spec_of_key(pipeline, k) for k in leaving(pipeline, plan)}
         # an item carries every pipeline input and the earlier stages' values the stage reads
         # (the client sends only what the loaded stage reads)
@@ -71,10 +72,10 @@ class DpuPart:
         self.front.begin_call()
 
     def run(self, works: Iterator[Work], ctl: Control) -> Iterator[Work]:
-        """Submit batches as they come (at most DEPTH at the agent) on a thread of its own,
+        """Submit batches as they come (at most `depth` at the agent) on a thread of its own,
         receive on another, and yield each batch once it is settled, in order."""
         flight = _Flight(self, ctl)
-        inflight: queue.Queue[Any] = queue.Queue(maxsize=DEPTH)
+        inflight: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
 
         def submit() -> None:
             try:
