@@ -30,6 +30,7 @@ from nicoffload.transport.shm import Segment
 from nicoffload.transport.slots import ALIGN
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DETAIL_CHARS = 1000  # of a failed row's detail: a reply stays far inside procs.MAX_MESSAGE
 
 
 class Hangup(Exception):
@@ -145,9 +146,9 @@ class Worker:
             outs = [np.ascontiguousarray(values[k]) for k in ragged]
             return [row, "", "", wrote, []], outs
         except ItemError as exc:
-            return [row, exc.reason, exc.detail, [], []], []
+            return [row, exc.reason, exc.detail[:DETAIL_CHARS], [], []], []
         except Exception as exc:  # a kernel bug fails the item, never the agent
-            return [row, "internal", f"{type(exc).__name__}: {exc}", [], []], []
+            return [row, "internal", f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS], [], []], []
 
     def _flush(self, done: list[Any], need: int) -> list[Any]:
         """The agent copies out the rows so far and makes room for `need` bytes (or says no)."""
