@@ -219,19 +219,36 @@ def solve_milp(
     allowed: np.ndarray | None = None,
     exclude: np.ndarray | None = None,
     time_limit: float = 60.0,
+    exclude_optimal: bool = False,
 ) -> MilpResult:
     """The best placement (lexicographic primary, secondary), optionally not `exclude`.
 
     A DAG of parallel chains is solved by branch classes (parallel.py); any other DAG by the
-    per-node program below. `time_limit` is for the whole call.
+    per-node program below. `time_limit` is for the whole call. `exclude_optimal`: `exclude`
+    is proven optimal, so a placement that ties with it is the answer (ties.py).
     """
     allowed = model.allowed if allowed is None else allowed & model.allowed
     if not allowed.any(axis=1).all():
         return MilpResult(None, "infeasible", 0.0, 0)
-    fast = _solve_branches(model, goal, allowed, exclude, time_limit)
+    fast = _solve_branches(model, goal, allowed, exclude, time_limit, exclude_optimal)
     if fast is not None:
         return fast
+    tie = _tie(model, goal, allowed, exclude, exclude_optimal)
+    if tie is not None:
+        return tie
     return solve_nodes(model, goal, allowed, exclude, time_limit)
+
+
+def _tie(
+    model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None, optimal: bool
+) -> MilpResult | None:
+    """A placement tying with an optimal `exclude` (ties.py), as a result; None when none."""
+    if exclude is None or not optimal:
+        return None
+    from nicoffload.planner.ties import tied_neighbour
+
+    tie = tied_neighbour(model, goal, exclude, allowed)
+    return None if tie is None else MilpResult(tie, "optimal", 0.0, 0)
 
 
 def solve_nodes(
@@ -311,7 +328,12 @@ def solve_nodes(
 
 
 def _solve_branches(
-    model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None, limit: float
+    model: CostModel,
+    goal: Goal,
+    allowed: np.ndarray,
+    exclude: np.ndarray | None,
+    limit: float,
+    exclude_optimal: bool = False,
 ) -> MilpResult | None:
     """Parallel chains as branch classes, or None when the DAG is not made of chains."""
     from nicoffload.planner.branches import chain_classes
@@ -331,6 +353,9 @@ def _solve_branches(
                 a, b = list(ch.members[0]), list(ch.members[other[0]])
                 swapped[a], swapped[b] = exclude[b], exclude[a]
                 return MilpResult(swapped, "optimal", 0.0, 0)
+        tie = _tie(model, goal, allowed, exclude, exclude_optimal)  # after the swap: cheaper
+        if tie is not None:
+            return tie
         try:
             differ = [ch.path_of(exclude[list(ch.members[0])]) for ch in classes]
         except StopIteration:  # `exclude` is not a placement these classes can take

@@ -1,6 +1,5 @@
-"""The runner-up: the best placement other than the plan's, for explain. A placement one move
-from the plan that ties with it on the objective and its tie-break is the runner-up at once
-(none can beat the plan, proven optimal); only when none ties is it searched for.
+"""The runner-up: the best placement other than the plan's, for explain. Of a plan proven
+optimal, a placement that ties with it is the runner-up at once (ties.py, asked by solve_milp).
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ import numpy as np
 
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.dp import is_chain, solve_chain
-from nicoffload.planner.evaluate import REL_TOL, Goal, best_row, evaluate
+from nicoffload.planner.evaluate import Goal, best_row, evaluate
 
 INFEASIBLE = "no other placement is feasible"
 
@@ -42,11 +41,7 @@ def search_runner_up(
 
         if time_limit <= 0:
             return None, "not searched: the time limit was spent on the plan", True
-        if proven:
-            tie = tied_neighbour(model, goal, best, allowed)
-            if tie is not None:
-                return tie, None, False
-        result = solve_milp(model, goal, allowed, best, time_limit)
+        result = solve_milp(model, goal, allowed, best, time_limit, exclude_optimal=proven)
         if result.placement is not None:
             return result.placement, None, result.cut
         if result.status != "infeasible":
@@ -67,45 +62,3 @@ def search_runner_up(
     P = np.array(found)
     i = best_row(evaluate(model, P), goal)
     return (None, INFEASIBLE, False) if i is None else (P[i], None, False)
-
-
-def neighbours(best: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """The placements one move from `best` that `allowed` permits, in a fixed order: each node
-    on each other device, then each two devices' nodes swapped (where that moves several)."""
-    n, D = allowed.shape
-    v, d = np.nonzero(allowed)
-    keep = d != best[v]
-    moves = np.repeat(best[None, :], int(keep.sum()), axis=0)
-    moves[np.arange(len(moves)), v[keep]] = d[keep]
-    used = np.unique(best)
-    swaps = []
-    for a in used:
-        for b in range(D):
-            if b != a and not (b in used and b < a):
-                p = np.where(best == a, b, np.where(best == b, a, best))
-                if (p != best).sum() > 1 and allowed[np.arange(n), p].all():  # one: a move
-                    swaps.append(p)
-    return np.concatenate([moves, np.array(swaps, np.intp).reshape(-1, n)])
-
-
-def tied_neighbour(
-    model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray
-) -> np.ndarray | None:
-    """The best of the neighbours of `best` that tie with it on the objective and its
-    tie-break (within REL_TOL, as every solver judges), or None when none does."""
-    P = neighbours(best, allowed)
-    if not len(P):
-        return None
-    m = evaluate(model, P)
-    ref = evaluate(model, best[None, :])
-    (p_best, s_best), (p, s) = ref.keys(goal.objective), m.keys(goal.objective)
-
-    def within(x: np.ndarray, of: float) -> np.ndarray:
-        return x <= of + abs(of) * REL_TOL + 1e-12
-
-    tied = m.feasible(goal) & within(p, float(p_best[0])) & within(s, float(s_best[0]))
-    if not tied.any():
-        return None
-    rows = np.flatnonzero(tied)
-    i = best_row(evaluate(model, P[rows]), goal)
-    return None if i is None else P[rows[i]]

@@ -23,7 +23,8 @@ from nicoffload.planner.branches import bucket_key, bucketed, chain_classes, suf
 from nicoffload.planner.cost import CostModel, TensorRef, routes
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
 from nicoffload.planner.milp import solve_milp
-from nicoffload.planner.runner_up import neighbours, search_runner_up, tied_neighbour
+from nicoffload.planner.runner_up import search_runner_up
+from nicoffload.planner.ties import neighbours, tied_neighbour
 
 
 def mixed_chains(seed: int) -> CostModel:
