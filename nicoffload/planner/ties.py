@@ -10,6 +10,10 @@ import numpy as np
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
 
+# evaluate's cost per call grows with nodes x tensors (1.3 s CPU for the 200-node bench, whose
+# runner-up search takes 0.1 s): past this many nodes the runner-up is searched for instead
+MAX_NODES = 100
+
 
 def neighbours(best: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """The placements one move from `best` that `allowed` permits, in a fixed order: each node
@@ -34,7 +38,10 @@ def tied_neighbour(
     model: CostModel, goal: Goal, best: np.ndarray, allowed: np.ndarray
 ) -> np.ndarray | None:
     """The best of the neighbours of `best` that tie with it on the objective and its
-    tie-break (within REL_TOL, as every solver judges), or None when none does."""
+    tie-break (within REL_TOL, as every solver judges), or None when none does (or the
+    model has more than MAX_NODES nodes)."""
+    if model.n > MAX_NODES:
+        return None
     P = neighbours(best, allowed)
     if not len(P):
         return None
