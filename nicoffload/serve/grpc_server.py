@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from nicoffload.serve import kserve, kserve_pb
+from nicoffload.serve import kserve_out, kserve_pb
 from nicoffload.serve.batcher import Outcome
 from nicoffload.serve.clock import now_ns
 from nicoffload.serve.server import INLINE_BYTES, Server, with_timeout
@@ -107,7 +107,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(code_of(outcome), outcome.error or "")
         assert req is not None and outcome.outputs is not None
         args = (self.server.config.model_name, req, outcome.outputs)
-        names = kserve.answered_outputs(req, outcome.outputs)
+        names = kserve_out.answered_outputs(req, outcome.outputs)
         if sum(np.asarray(outcome.outputs[k]).nbytes for k in names) <= INLINE_BYTES:
             resp = kserve_pb.infer_response(*args)
         else:  # off the event loop: encoding a large response must not hold up the others

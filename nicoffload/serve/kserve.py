@@ -1,5 +1,7 @@
 """The Open Inference Protocol (KServe v2, HTTP/REST) with Triton's binary-tensor extension:
-infer requests parsed and checked against a pipeline's inputs, responses, metadata, error bodies.
+infer requests parsed and checked against a pipeline's inputs, the datatypes and the BYTES
+framing both directions share; the responses' side (outputs, metadata, error bodies) is
+`kserve_out`.
 
 Pure functions of bytes and values: no sockets, no clock. A request that is wrong raises
 `RequestError` carrying the HTTP status and the reason the client gets in `{"error": ...}`.
@@ -13,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from nicoffload.graph import Pipeline, TensorSpec
+from nicoffload.graph import Pipeline
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 JSON_TYPES = ("application/json",)
@@ -400,109 +401,3 @@ def check_json_outputs(req: InferRequest, metadata: list[dict[str, Any]], items:
             "'binary_data' in an output's)",
             413,
         )
-
-
-def _elements(arr: np.ndarray) -> list[bytes]:
-    return [e if isinstance(e, bytes) else str(e).encode() for e in arr.reshape(-1).tolist()]
-
-
-def encode_raw(arr: np.ndarray) -> tuple[str, bytes]:
-    """An output's datatype and raw bytes (the binary extension's, or gRPC's
-    raw_output_contents): BYTES elements length-prefixed, any other datatype little-endian."""
-    datatype = datatype_of(arr.dtype)
-    if datatype == "BYTES":
-        return datatype, pack_bytes(_elements(arr))
-    return datatype, np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
-
-
-def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
-    datatype = datatype_of(arr.dtype)
-    out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-    if binary:
-        _, raw = encode_raw(arr)
-        out["parameters"] = {"binary_data_size": len(raw)}
-        return out, raw
-    if datatype == "BYTES":
-        out["data"] = [e.decode("utf-8", "replace") for e in _elements(arr)]
-    else:
-        out["data"] = arr.reshape(-1).tolist()
-    return out, None
-
-
-def answered_outputs(req: InferRequest, outputs: Mapping[str, Any]) -> list[str]:
-    """The outputs a response carries: those the request names, or all of them."""
-    return list(outputs) if req.outputs is None else list(req.outputs)
-
-
-def infer_response(
-    model: str,
-    req: InferRequest,
-    outputs: Mapping[str, np.ndarray],
-    parameters: Mapping[str, Any] | None = None,
-) -> tuple[bytes, dict[str, str]]:
-    """The response body and its headers: the requested outputs (all, when none were named),
-    each binary when the request asks (`binary_data_output`, or the output's `binary_data`)."""
-    return assemble_response(response_parts(model, req, outputs), parameters)
-
-
-def response_parts(
-    model: str, req: InferRequest, outputs: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], list[bytes]]:
-    """The costly half of `infer_response`: the response's JSON document (without its
-    parameters) and the outputs' binary blobs, so that the time it takes can be among the
-    parameters `assemble_response` then adds."""
-    names = answered_outputs(req, outputs)
-    doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
-    if req.id is not None:
-        doc["id"] = req.id
-    blobs: list[bytes] = []
-    for name in names:
-        binary = (
-            req.binary_output if req.outputs is None else req.outputs[name] or req.binary_output
-        )
-        entry, raw = _tensor_json(name, np.asarray(outputs[name]), binary)
-        doc["outputs"].append(entry)
-        if raw is not None:
-            blobs.append(raw)
-    return doc, blobs
-
-
-def assemble_response(
-    parts: tuple[dict[str, Any], list[bytes]], parameters: Mapping[str, Any] | None = None
-) -> tuple[bytes, dict[str, str]]:
-    """`response_parts`' document with `parameters`, and its blobs: the body and headers."""
-    doc, blobs = parts
-    if parameters:
-        doc = {**doc, "parameters": dict(parameters)}
-    head = json.dumps(doc, separators=(",", ":")).encode()
-    if not blobs:
-        return head, {"Content-Type": "application/json"}
-    return b"".join([head, *blobs]), {
-        "Content-Type": "application/octet-stream",
-        HEADER_LENGTH: str(len(head)),
-    }
-
-
-def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
-
-
-def tensor_metadata(name: str, spec: TensorSpec) -> dict[str, Any]:
-    """A pipeline tensor as the protocol's metadata: a leading -1 for the items."""
-    shape = [-1] if not spec.static else [-1, *spec.shape]
-    return {"name": name, "datatype": datatype_of(spec.dtype), "shape": shape}
-
-
-def model_metadata(
-    name: str, pipeline: Pipeline, outputs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """`GET /v2/models/{name}`: the pipeline's inputs, and its outputs (or the model's)."""
-    if outputs is None:
-        outputs = [tensor_metadata(k, s) for k, s in pipeline.output_specs().items()]
-    return {
-        "name": name,
-        "versions": ["1"],
-        "platform": "nicoffload",
-        "inputs": [tensor_metadata(k, s) for k, s in pipeline.inputs.items()],
-        "outputs": outputs,
-    }

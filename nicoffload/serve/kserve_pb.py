@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.serve import kserve
+from nicoffload.serve import kserve, kserve_out
 from nicoffload.serve.kserve import InferRequest, RequestError, Tensor
 
 # a datatype's field of InferTensorContents (FP16 has none: it comes raw only)
@@ -106,9 +106,9 @@ def infer_response(
     raw_output_contents; the timing breakdown as its parameters (`add_parameters`)."""
     service_pb2 = pb()
     resp = service_pb2.ModelInferResponse(model_name=model, model_version="1", id=req.id or "")
-    for name in kserve.answered_outputs(req, outputs):
+    for name in kserve_out.answered_outputs(req, outputs):
         arr = np.asarray(outputs[name])
-        datatype, data = kserve.encode_raw(arr)
+        datatype, data = kserve_out.encode_raw(arr)
         resp.outputs.add(name=name, datatype=datatype, shape=list(arr.shape))
         resp.raw_output_contents.append(data)
     return add_parameters(resp, parameters or {})
@@ -128,7 +128,7 @@ def add_parameters(resp: Any, parameters: Mapping[str, bool | int | str]) -> Any
 
 
 def model_metadata(meta: Mapping[str, Any]) -> Any:
-    """The HTTP endpoint's model metadata (`kserve.model_metadata`) as a ModelMetadataResponse."""
+    """The HTTP endpoint's model metadata (`kserve_out.model_metadata`) as a ModelMetadataResponse."""
     service_pb2 = pb()
     tensor = service_pb2.ModelMetadataResponse.TensorMetadata
     return service_pb2.ModelMetadataResponse(

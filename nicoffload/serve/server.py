@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from nicoffload.graph import Pipeline
-from nicoffload.serve import kserve
+from nicoffload.serve import kserve, kserve_out
 from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull
 from nicoffload.serve.clock import clock_id, now_ns
 from nicoffload.serve.kserve import RequestError
@@ -54,7 +54,7 @@ class ServeConfig:
 def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.Response(
         status=status,
-        body=kserve.error_body(message),
+        body=kserve_out.error_body(message),
         content_type="application/json",
         headers=headers,
     )
@@ -77,7 +77,7 @@ class Server:
         outputs: list[dict[str, Any]] | None = None,
     ) -> None:
         self.pipeline, self.batcher, self.config = pipeline, batcher, config
-        self.metadata = kserve.model_metadata(config.model_name, pipeline, outputs)
+        self.metadata = kserve_out.model_metadata(config.model_name, pipeline, outputs)
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
         self.draining = False
         self.clock = clock_id()
@@ -227,17 +227,17 @@ class Server:
             if outcome.retry:
                 response.headers["Retry-After"] = "1"
             return response
-        names = kserve.answered_outputs(req, outcome.outputs)
+        names = kserve_out.answered_outputs(req, outcome.outputs)
         binary = req.binary_output or all((req.outputs or {}).get(k) for k in names)
         size = sum(np.asarray(outcome.outputs[k]).nbytes for k in names)
         if binary and size <= INLINE_BYTES:
-            parts = kserve.response_parts(self.config.model_name, req, outcome.outputs)
+            parts = kserve_out.response_parts(self.config.model_name, req, outcome.outputs)
         else:  # off the event loop: encoding a large response must not hold up the others
             parts = await asyncio.get_running_loop().run_in_executor(
-                None, kserve.response_parts, self.config.model_name, req, outcome.outputs
+                None, kserve_out.response_parts, self.config.model_name, req, outcome.outputs
             )
         params = self.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
-        body, headers = kserve.assemble_response(parts, params)
+        body, headers = kserve_out.assemble_response(parts, params)
         return web.Response(body=body, headers=headers)
 
     def timings(

@@ -11,7 +11,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from nicoffload.graph import load_pipeline
-from nicoffload.serve import kserve
+from nicoffload.serve import kserve, kserve_out
 from nicoffload.serve.kserve import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def test_binary_response_decodes_with_the_triton_client_bit_for_bit():
     pixels = np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float16)
     labels = np.array([b"cat", b"\x00dog"], dtype=object)
     req = kserve.InferRequest("q", {}, binary_output=True)
-    body, headers = kserve.infer_response(
+    body, headers = kserve_out.infer_response(
         "m", req, {"pixels": pixels, "labels": labels}, {"queue_us": 3}
     )
     res = httpclient.InferResult.from_response_body(
@@ -230,7 +230,7 @@ def test_binary_response_decodes_with_the_triton_client_bit_for_bit():
 def test_json_response_when_an_output_asks_for_json_only():
     x = np.arange(4, dtype=np.int32).reshape(2, 2)
     req = kserve.InferRequest(None, {}, outputs={"x": False})
-    body, headers = kserve.infer_response("m", req, {"x": x, "y": x})
+    body, headers = kserve_out.infer_response("m", req, {"x": x, "y": x})
     assert headers == {"Content-Type": "application/json"}
     doc = json.loads(body)
     assert [o["name"] for o in doc["outputs"]] == ["x"]
@@ -246,7 +246,7 @@ def test_json_response_when_an_output_asks_for_json_only():
 def test_per_output_binary_data_mixes_json_and_binary():
     x = np.arange(3, dtype=np.float32)
     req = kserve.InferRequest(None, {}, outputs={"a": True, "b": False})
-    body, headers = kserve.infer_response("m", req, {"a": x, "b": x})
+    body, headers = kserve_out.infer_response("m", req, {"a": x, "b": x})
     res = httpclient.InferResult.from_response_body(
         body, header_length=int(headers[kserve.HEADER_LENGTH])
     )
@@ -269,10 +269,10 @@ def test_pack_bytes_matches_tritons_serializer():
 
 
 def test_model_metadata_of_the_resnet_pipeline(resnet):
-    meta = kserve.model_metadata("resnet", resnet)
+    meta = kserve_out.model_metadata("resnet", resnet)
     assert meta["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1]}]
     assert meta["outputs"] == [{"name": "pixels", "datatype": "FP16", "shape": [-1, 3, 224, 224]}]
 
 
 def test_error_body_is_the_protocols():
-    assert json.loads(kserve.error_body("bad")) == {"error": "bad"}
+    assert json.loads(kserve_out.error_body("bad")) == {"error": "bad"}

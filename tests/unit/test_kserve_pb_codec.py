@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 
 from nicoffload.graph import load_pipeline
-from nicoffload.serve import kserve, kserve_pb
+from nicoffload.serve import kserve, kserve_out, kserve_pb
 from nicoffload.serve.kserve import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +116,7 @@ def test_a_response_carries_only_the_named_outputs():
 
 
 def test_model_metadata_is_the_http_endpoints(resnet):
-    meta = kserve.model_metadata("m", resnet)
+    meta = kserve_out.model_metadata("m", resnet)
     msg = kserve_pb.model_metadata(meta)
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.inputs] == [("image", "BYTES", [-1])]
     assert [(t.name, list(t.shape)) for t in msg.outputs] == [("pixels", [-1, 3, 224, 224])]
