@@ -1,7 +1,7 @@
 """The agent's memory budget, per client (connection) and over every client, in three pools:
 request payloads queued (received, not yet forwarded), images being decoded (their size read
 from each header before a pixel is decoded) and LOADs' batch slots; and a fourth, the agent's
-own: the worker processes' arenas (`procs.Arenas`), taken and given back with `Budget.take`.
+own: the worker processes' arenas (`arenas.Arenas`), taken and given back with `Budget.take`.
 
 A reader that would go over its client's share, or the total, waits (it stops reading its
 socket: backpressure); only what is larger than a whole pool is refused, by the caller. A holder

@@ -1,12 +1,12 @@
 """The agent's kernels in worker processes, one per core (`processes` in the config): a pool with
 the interface of `session.WorkerPool` whose threads each drive one process (`dpu_agents.worker`).
 
-A session's batch slots are one shared-memory segment (`shared_slots`) that every worker maps;
+A session's batch slots are one shared-memory segment (`sharedslots`) that every worker maps;
 a worker thread takes rows of a batch, copies their values into its process's input arena, sends
 the rows' places in one message and gets back which rows failed and why, which outputs each
 wrote, and the step times; outputs of varying shape come back through its output arena, which
 the worker asks the agent to empty (`flush`) when the next one does not fit. The arenas
-(`Arenas`) are bounded and counted in the agent's memory budget. The GIL is held only around
+(`arenas.Arenas`) are bounded and counted in the agent's memory budget. The GIL is held only around
 those messages: the kernels run in processes of their own.
 
 A worker process that dies fails the rows it held (`agent_worker_lost`, with its exit status:
@@ -20,12 +20,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import queue
-import secrets
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -34,102 +31,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 
-from dpu_agents.budget import ARENA
-from dpu_agents.config import AgentConfig
+from dpu_agents.arenas import IN, OUT, Arenas, WorkerGone
+from dpu_agents.link import BYTES, TENSOR, TEXT, Link
 from dpu_agents.logs import log_event
-from nicoffload.errors import AgentError, TransportError
-from nicoffload.graph import TensorSpec
+from dpu_agents.sharedslots import aligned
+from nicoffload.errors import AgentError
 from nicoffload.runtime.batch import SLOT_OVERFLOW, WORKER_LOST
-from nicoffload.transport.shm import Segment
-from nicoffload.transport.slots import ALIGN
 
 if TYPE_CHECKING:
-    from dpu_agents.budget import Budget
+    pass
 
 log = logging.getLogger("dpu_agents.procs")
 READY_S = 120.0  # a new worker imports numpy, numba and the kernels (their cache on disk)
 LOAD_S = 300.0  # a stage built in a worker: its kernels compiled, or read from numba's cache
-MAX_MESSAGE = 64 << 20  # control only (values cross in the arenas): more is a broken link
-BYTES, TENSOR, TEXT = 0, 1, 2  # how a value lies in the arena: bytes, an array, utf-8 text
 _local = threading.local()
-
-
-class Link:
-    """Length-prefixed msgpack messages over a stream socket."""
-
-    _LEN = struct.Struct("<Q")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._enc = msgspec.msgpack.Encoder()
-
-    def send(self, msg: Any) -> None:
-        data = self._enc.encode(msg)
-        head = self._LEN.pack(len(data))
-        if len(data) < 65536:  # one write
-            self.sock.sendall(head + data)
-        else:  # no copy of a large one
-            self.sock.sendall(head)
-            self.sock.sendall(data)
-
-    def recv(self) -> Any:
-        (n,) = self._LEN.unpack(self._exact(self._LEN.size))
-        if n > MAX_MESSAGE:
-            raise EOFError(f"a message of {n} bytes")
-        return msgspec.msgpack.decode(self._exact(n))
-
-    def _exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the other end closed")
-            got += k
-        return buf
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def shared_slots(
-    specs: dict[str, TensorSpec], batch: int, count: int
-) -> tuple[Segment, list[list[Any]]]:
-    """One segment holding `count` slots of the static outputs, and where each array lies:
-    [[key, offset, dtype, shape], ...] per slot."""
-    layout, at = [], 0
-    for _ in range(count):
-        slot = []
-        for k, s in specs.items():
-            if s.static:
-                shape = [batch, *s.shape]
-                slot.append([k, at, np.dtype(s.dtype).str, shape])
-                at += _aligned(math.prod(shape) * np.dtype(s.dtype).itemsize)
-        layout.append(slot)
-    seg = Segment(f"nicoffload-slots-{secrets.token_hex(8)}", max(at, ALIGN), create=True)
-    return seg, layout
-
-
-def slot_views(seg: Segment, layout: list[list[Any]]) -> list[dict[str, np.ndarray]]:
-    """The arrays of each slot, as views of the segment."""
-    buf = seg.array
-    assert buf is not None
-    out = []
-    for slot in layout:
-        arrays = {}
-        for k, off, dtype, shape in slot:
-            n = math.prod(shape) * np.dtype(dtype).itemsize
-            arrays[k] = buf[off : off + n].view(dtype).reshape(shape)
-        out.append(arrays)
-    return out
-
-
-class WorkerGone(Exception):
-    """The worker process exited (or stopped answering) during a call."""
 
 
 class Spawner:
@@ -168,100 +85,6 @@ class Spawner:
             self._closed = True
             self._requests.put(None)
         self._thread.join()
-
-
-IN, OUT = 0, 1  # a worker's arenas: its rows' inputs; their outputs of varying shape
-FLOOR = 64 << 10  # the smallest arena
-_MIB = 1 << 20
-
-
-class Arenas:
-    """A worker's two arenas, each one shared-memory segment (or none yet) that grows to what a
-    chunk needs: never past `most` bytes nor past what the agent's budget (ARENA, whose bytes
-    it holds) has left; `trim` gives back one over `keep` bytes once its chunk is done. Used
-    by the worker's pool thread only."""
-
-    def __init__(self) -> None:
-        self.segs: list[Segment | None] = [None, None]
-        self.budget: Budget | None = None
-        self.most, self.keep = AgentConfig.max_arena_bytes, AgentConfig.arena_keep_bytes
-
-    def use(self, budget: Budget | None) -> None:
-        """Count the arenas in `budget` (the agent's: the same one at every call), within its
-        limits."""
-        if budget is None or budget is self.budget:
-            return
-        self.close()  # what the previous budget held goes back to it
-        self.budget, self.most, self.keep = budget, budget.arena_most, budget.arena_keep
-
-    def size(self, which: int) -> int:
-        seg = self.segs[which]
-        return 0 if seg is None or seg.array is None else seg.array.size
-
-    def array(self, which: int) -> np.ndarray | None:
-        seg = self.segs[which]
-        return None if seg is None else seg.array
-
-    def where(self, which: int) -> list[Any]:
-        """[name, size] as a worker attaches it; ["", 0] for none."""
-        seg = self.segs[which]
-        return ["", 0] if seg is None else [seg.name, self.size(which)]
-
-    def fit(self, which: int, n: int) -> bool:
-        """Whether arena `which` holds n bytes now, grown if need be (what it held is lost:
-        callers grow it empty); False over `most` or past the budget's room (`why` says which).
-        WorkerGone when shared memory has no room for it."""
-        n, have = max(n, 1), self.size(which)
-        if n <= have:
-            return True
-        if n > self.most:
-            return False
-        size = min(_arena_size(n, self.keep), self.most)
-        if self.budget is not None and not self.budget.take(ARENA, size - have):
-            return False
-        self._close(which, give=False)  # its bytes stay taken, as part of the new one's
-        name = f"nicoffload-{('in', 'out')[which]}-{secrets.token_hex(8)}"
-        try:
-            self.segs[which] = Segment(name, size, create=True)
-        except TransportError as exc:
-            if self.budget is not None:
-                self.budget.give(ARENA, size)
-            raise WorkerGone(str(exc)) from None
-        return True
-
-    def why(self, which: int, n: int) -> str:
-        """Why `fit(which, n)` said no."""
-        what = ("inputs", "outputs of varying shape")[which]
-        if n > self.most:
-            return f"its {what} take {n} bytes, more than the agent's max_arena_bytes ({self.most})"
-        total = self.budget.total[ARENA] if self.budget is not None else 0
-        return f"the agent's arena_bytes ({total}) has no room now for its {what} ({n} bytes)"
-
-    def trim(self) -> None:
-        """Give back an arena over `keep` bytes (its chunk is done; the worker let it go too)."""
-        for which in (IN, OUT):
-            if self.size(which) > self.keep:
-                self._close(which)
-
-    def _close(self, which: int, give: bool = True) -> None:
-        seg, n = self.segs[which], self.size(which)
-        if seg is None:
-            return
-        seg.close()
-        self.segs[which] = None
-        if give and self.budget is not None:
-            self.budget.give(ARENA, n)
-
-    def close(self) -> None:
-        for which in (IN, OUT):
-            self._close(which)
-
-
-def _arena_size(n: int, keep: int) -> int:
-    """A power of two (few regrowths) while it may be kept between chunks; else n in whole MiB
-    (it goes after its chunk: no more than it needs)."""
-    size = 1 << (max(n, FLOOR) - 1).bit_length()
-    return size if size <= keep else -(-n // _MIB) * _MIB
 
 
 class Proc:
@@ -503,7 +326,7 @@ def run_rows(session: Any, job: Any) -> None:
     proc = current()
     batch = job.batch
     chunk = max(1, -(-job.n // (2 * session.pool.n)))
-    account = getattr(session, "_account", None)  # its budget is the agent's one
+    account = session.account  # its budget is the agent's one
     proc.arenas.use(account.budget if account is not None else None)
     rows: list[Any] = []
     while rows or (rows := list(itertools.islice(job.left, chunk))):
@@ -530,7 +353,7 @@ def _fitting(arenas: Arenas, rows: list[Any], failed: dict) -> tuple[list, list,
     """The first of `rows` whose inputs the input arena holds (grown if need be: halving the
     rows until they fit), none refused, and the rest; or, when the first row does not fit alone,
     that row refused (failed, for the host to run) and the rest."""
-    sizes = [sum(_aligned(_nbytes(v)) for v in values.values()) for _, values in rows]
+    sizes = [sum(aligned(_nbytes(v)) for v in values.values()) for _, values in rows]
     k = len(rows)
     while k and not arenas.fit(IN, sum(sizes[:k])):
         k //= 2
@@ -586,7 +409,7 @@ def _chunk(
                 raw = np.frombuffer(v, np.uint8)
                 where.append([k, BYTES, at, raw.size, "|u1", [raw.size]])
             parts.append((at, raw))
-            at += _aligned(raw.size)
+            at += aligned(raw.size)
         places.append([row, where])
     arenas = proc.arenas
     buf = arenas.array(IN)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from dpu_agents import budget, procs
+from dpu_agents import budget, procs, sharedslots
 from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.seen import SeenIds
@@ -179,7 +179,7 @@ class Session:
         self.name = built.stage.plan.name
         self._on_credit, self._on_fatal = on_credit, on_fatal
         self._forward_timeout, self._dedup_window = forward_timeout, dedup_window
-        self._account = account
+        self.account = account
         self.slot_bytes = BATCHES_IN_FLIGHT * built.slot_bytes()
         if account is not None and not account.take(budget.BATCH, self.slot_bytes):
             b = account.budget
@@ -222,7 +222,7 @@ class Session:
         if source is None or config is None:
             raise AgentError("a pool of worker processes needs the stage's source and config")
         try:
-            seg, layout = procs.shared_slots(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
+            seg, layout = sharedslots.shared_slots(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT)
         except TransportError as exc:  # /dev/shm too small: the LOAD is refused, saying so
             raise AgentError(f"the stage's batch slots: {exc}") from None
         try:
@@ -233,7 +233,7 @@ class Session:
             seg.close()
             raise
         self._segment = seg
-        arrays = procs.slot_views(seg, layout)
+        arrays = sharedslots.slot_views(seg, layout)
         return SlotRing(b.out_specs, b.batch_max_size, BATCHES_IN_FLIGHT, arrays=arrays)
 
     # --- ingress ---------------------------------------------------------------------------
@@ -285,8 +285,8 @@ class Session:
         self.sender.close()  # also wakes a forwarder blocked on a full receiver
         for t in self._threads:
             t.join(5.0)
-        if self._account is not None:
-            self._account.release(budget.BATCH, self.slot_bytes)
+        if self.account is not None:
+            self.account.release(budget.BATCH, self.slot_bytes)
         if self._segment is not None:  # the workers forget the stage, then its slots go
             self.pool.drop(self.key)
             self._segment.close()
@@ -416,9 +416,9 @@ class Session:
                     log_event(log, logging.ERROR, "forward_failed", stage=self.name, error=str(exc))
                     self._on_fatal(exc)
             self._ring.give(batch.slot)
-            if self._account is not None:
-                self._account.release(budget.QUEUED, batch.cost[0])
-                self._account.release(budget.DECODE, batch.cost[1])
+            if self.account is not None:
+                self.account.release(budget.QUEUED, batch.cost[0])
+                self.account.release(budget.DECODE, batch.cost[1])
             with self._cond:
                 self.forwarded += n
                 self._cond.notify_all()

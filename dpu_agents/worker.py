@@ -2,7 +2,7 @@
 each loaded stage as LOAD did (`build_stage`, the same text), and runs the rows the agent gives
 it, reading their values from an input arena and writing their outputs straight into the batch
 slot (those of varying shape into an output arena), all shared memory the agent made (mode 600,
-checked on attach). Messages are msgpack over the socket FD (`procs.Link`); nothing is
+checked on attach). Messages are msgpack over the socket FD (`link.Link`); nothing is
 unpickled.
 
 The agent runs one such process per core so that its kernels run in parallel without sharing a
@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 
 from dpu_agents.config import AgentConfig
-from dpu_agents.procs import BYTES, TEXT, Link, slot_views
+from dpu_agents.link import BYTES, TEXT, Link
+from dpu_agents.sharedslots import slot_views
 from dpu_agents.stagebuild import Built, build_stage
 from nicoffload.errors import ItemError
 from nicoffload.transport.shm import Segment
 from nicoffload.transport.slots import ALIGN
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-DETAIL_CHARS = 1000  # of a failed row's detail: a reply stays far inside procs.MAX_MESSAGE
+DETAIL_CHARS = 1000  # of a failed row's detail: a reply stays far inside link.MAX_MESSAGE
 
 
 class Hangup(Exception):

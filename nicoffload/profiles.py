@@ -89,7 +89,7 @@ class Profile:
     agent_us_per_item: float | None = None
     # the host process's serial time per item of a host stage, its interpreter (the GIL) held:
     # a + b / batch size, measured through the real runtime over tiny JPEGs
-    # (`profiling.measure_host_serial`); the planner caps a plan's throughput at one over its
+    # (`profiling_serial.measure_host_serial`); the planner caps a plan's throughput at one over its
     # host stages' sum (planner.cost.host_serial). None: measured before it was. On the
     # runtime's fast path (`runtime.executor`), then on its general path (`runtime.chain`)
     serial_us_per_item: float | None = None

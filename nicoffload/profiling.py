@@ -1,7 +1,7 @@
 """Measuring this machine for a profile (`nicoffload profile`; `profiles.py` is the format):
 each registered kernel over a sweep of sizes (`measure_kernels`), the runtime's own CPU per item
 on the host and on an agent (`measure_runtime`, `measure_agent_runtime`), the host process's
-serial (GIL-held) time per item of a host stage (`measure_host_serial`), and the links: each
+serial (GIL-held) time per item of a host stage (`profiling_serial`), and the links: each
 transport the local topology uses (tcp, shm) is measured through nicoffload's own
 sender and receiver, keyed as the agent keys them (so tcp frames carry their MAC), not through
 raw sockets: what a profile says a byte costs is what moving it costs the runtime. Both ends
@@ -25,6 +25,7 @@ import numpy as np
 from nicoffload.kerneltime import RING, busy_ms
 from nicoffload.procstat import agent_cpu_s
 from nicoffload.profiles import KernelCost, LinkCost, Profile
+from nicoffload.profiling_serial import measure_host_serial, serial_method, serial_terms
 
 # batch payload sizes (bytes) and how many batches of each; quick: fewer of the large ones
 SIZES = (256, 64 << 10, 1 << 20, 4 << 20)
@@ -211,121 +212,6 @@ def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | Non
     return max(0.0, _per_item_us(cpu, stats, n) - moved_us)
 
 
-# The batch sizes the host's serial time is measured at (its per-batch part is their difference),
-# how many calls of each (the median is kept), and the items of each call.
-SERIAL_BATCHES = (64, 8)
-SERIAL_ROUNDS, QUICK_SERIAL_ROUNDS = 5, 3
-SERIAL_ITEMS, QUICK_SERIAL_ITEMS = 4096, 2048
-
-
-def _serial_cpu_s(pipeline, items: list, workers: int, general: bool, device: str) -> float:
-    """Process CPU s of one call of `items` through `pipeline` all on `device` (the host, or
-    a GPU), on the runtime's fast path (a Session's executor) or its general path
-    (`runtime.chain`, which runs host stages after a GPU stage), warmed first, every batch
-    read in place."""
-    from nicoffload.planner.plan import single_device_plan
-    from nicoffload.runner import prepare
-    from nicoffload.runtime.chain import Chain
-    from nicoffload.session import Session
-
-    plan = single_device_plan(pipeline, device)
-    named = [(str(i), {"image": b}) for i, b in enumerate(items)]
-    if general:
-        with Chain(pipeline, plan, workers=workers) as chain:
-            for _ in chain.stream(named[:256]):
-                pass
-            c0 = time.process_time()
-            for _ in chain.stream(named):
-                pass
-            return time.process_time() - c0
-    with Session(prepare(pipeline, plan, None), workers=workers) as session:
-        for _ in session.stream(items[:256]):
-            pass
-        c0 = time.process_time()
-        for _ in session.stream(items):
-            pass
-        return time.process_time() - c0
-
-
-def fit_serial(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(us per item, us per batch) of `a + b / batch size` through (batch size, us per item)
-    points, by least squares, neither below zero."""
-    x = np.array([1.0 / p[0] for p in points])
-    y = np.array([p[1] for p in points])
-    if np.ptp(x) == 0:
-        return max(0.0, float(y.mean())), 0.0
-    b, a = np.polyfit(x, y, 1)
-    if b < 0:
-        return max(0.0, float(y.mean())), 0.0
-    if a < 0:
-        return 0.0, float((x @ y) / (x @ x))
-    return float(a), float(b)
-
-
-def measure_host_serial(
-    device: str = "cpu", *, quick: bool = False, workers: int | None = None
-) -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
-    """The host process's serial time per item of a stage on `device` (a host stage; or a GPU
-    stage, `gpu0`: its batches are fed, decoded and handed on by Python in the same process),
-    in us, per path of the runtime ("fast": `runtime.executor`, "general": `runtime.chain`):
-    `a` per item and `b` per batch (`a + b / batch size`); and the points they came from.
-
-    The host runs its stages in threads of one Python process: the kernels give the GIL back,
-    the Python around them (per row and per batch: values and destinations, the executor's
-    hand-offs, stamps, settling) does not, so only one thread at a time does it. Measured as
-    the runtime runs it: the ResNet recipe's kernels over tiny JPEGs to a tiny output
-    (`data/agent_probe.yaml`: the kernels' native work is a few us, their Python wrappers
-    are in), all on `device`, on `workers` threads (the host's share of the cores, as a run
-    of the local topology uses), through both the fast path and the general path, at two
-    batch sizes; the process's CPU over a call, per item, is then nearly all GIL-held (the
-    rest is the kernels' few us of native work on 32x32 images: an upper bound by that
-    much)."""
-    import io
-
-    from PIL import Image
-
-    from nicoffload.graph import load_pipeline
-
-    if workers is None:
-        from nicoffload.topology import local_topology
-
-        workers = local_topology(gpu=False).device("cpu").cores
-    buf = io.BytesIO()
-    Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(buf, "JPEG")
-    base = load_pipeline(Path(__file__).parent / "data" / "agent_probe.yaml")
-    items = [buf.getvalue()] * (QUICK_SERIAL_ITEMS if quick else SERIAL_ITEMS)
-    rounds = QUICK_SERIAL_ROUNDS if quick else SERIAL_ROUNDS
-    fits, points = {}, {}
-    for path, general in (("fast", False), ("general", True)):
-        pts = []
-        for size in SERIAL_BATCHES:
-            pipeline = replace(base, batch_max_size=size)
-            cpu = [_serial_cpu_s(pipeline, items, workers, general, device) for _ in range(rounds)]
-            pts.append((size, float(np.median(cpu)) * 1e6 / len(items)))
-        fits[path], points[path] = fit_serial(pts), [[b, round(us, 2)] for b, us in pts]
-    return fits, {"workers": workers, "us_per_item_at_batch": points}
-
-
-def _serial_terms(fits: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """measure_host_serial's fits as Profile fields."""
-    (a, b), (ga, gb) = fits["fast"], fits["general"]
-    return {
-        "serial_us_per_item": a,
-        "serial_us_per_batch": b,
-        "serial_general_us_per_item": ga,
-        "serial_general_us_per_batch": gb,
-    }
-
-
-def _serial_method(what: str, device: str, info: dict[str, Any]) -> str:
-    return (
-        f"host serial (GIL-held) time per item of {what}: process CPU of the runtime over tiny "
-        f"JPEGs all on {device} on {info['workers']} worker threads, on the fast and the "
-        f"general path, at batch sizes {', '.join(map(str, SERIAL_BATCHES))}, us/item "
-        f"{info['us_per_item_at_batch']}, fit a + b / batch size per path"
-    )
-
-
 def with_gpu_serial(base: Profile, *, quick: bool = False, device: str = "gpu0") -> Profile:
     """A GPU profile (measured batched by `bench/bench_gpu.py`, or shipped) with the host
     process's serial time per item of a GPU stage measured here (`measure_host_serial` on
@@ -335,8 +221,8 @@ def with_gpu_serial(base: Profile, *, quick: bool = False, device: str = "gpu0")
     fits, info = measure_host_serial(device, quick=quick)
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     what = f"a GPU stage, measured {when} on {machine_info()['cpu']}"
-    method = f"{base.method}; {_serial_method(what, device, info)}"
-    return replace(base, method=method, **_serial_terms(fits))
+    method = f"{base.method}; {serial_method(what, device, info)}"
+    return replace(base, method=method, **serial_terms(fits))
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -588,8 +474,8 @@ def measure(
     if kind == "cpu":
         runtime = measure_runtime(quick=quick)
         fits, info = measure_host_serial(quick=quick)
-        serial = _serial_terms(fits)
-        method += f"; {_serial_method('a host stage', 'cpu', info)}"
+        serial = serial_terms(fits)
+        method += f"; {serial_method('a host stage', 'cpu', info)}"
     if kind in ("cpu", "dpu") and "tcp" in links:
         # an agent on these cores (the local topology's emulated DPU, or on a DPU the agent
         # itself), over tcp as it serves; None where the machine has one core

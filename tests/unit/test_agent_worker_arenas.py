@@ -1,4 +1,4 @@
-"""A worker process's arenas (`procs.Arenas`): their bytes are taken from the agent's memory
+"""A worker process's arenas (`arenas.Arenas`): their bytes are taken from the agent's memory
 budget (`arena`) and given back, none grows past max_arena_bytes or past what arena_bytes has
 left, one over arena_keep_bytes goes after its chunk, and rows whose inputs do not fit are run
 in smaller pieces, a row that cannot fit alone failing for the host to run."""
@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dpu_agents.arenas import FLOOR, IN, OUT, Arenas
 from dpu_agents.budget import ARENA, Budget
 from dpu_agents.config import AgentConfig, load_config
-from dpu_agents.procs import FLOOR, IN, OUT, Arenas, _fitting
+from dpu_agents.procs import _fitting
 from nicoffload.errors import UserError
 from nicoffload.runtime.batch import ON_HOST, SLOT_OVERFLOW
 

@@ -1,4 +1,4 @@
-"""The agent's link to a worker process (`procs.Link`): a message comes whole or not at all, a
+"""The agent's link to a worker process (`link.Link`): a message comes whole or not at all, a
 peer gone in the middle of one is an EOFError (the worker is taken as lost and restarted), and
 a length over MAX_MESSAGE is refused before a byte of it is allocated or read; a worker's reply
 stays far inside it, whatever a failing kernel says."""
@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from dpu_agents.procs import MAX_MESSAGE, Link
+from dpu_agents.link import MAX_MESSAGE, Link
 from dpu_agents.worker import DETAIL_CHARS, Worker
 from nicoffload.errors import ItemError
 

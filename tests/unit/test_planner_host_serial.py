@@ -151,7 +151,7 @@ def test_half_of_the_serial_pair_is_refused(tmp_path: Path) -> None:
 
 
 def test_fit_serial_recovers_per_item_and_per_batch_parts() -> None:
-    from nicoffload.profiling import fit_serial
+    from nicoffload.profiling_serial import fit_serial
 
     assert fit_serial([(64, 40.0 + 320.0 / 64), (8, 40.0 + 320.0 / 8)]) == pytest.approx(
         (40.0, 320.0)

@@ -113,7 +113,7 @@ def test_fit_recovers_a_line_and_never_goes_negative() -> None:
 def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from nicoffload import ops, profiling
+    from nicoffload import ops, profiling, profiling_serial
 
     if "cpu" not in ops.kernels_for("decode_image"):
         pytest.skip("the image kernels for cpu are not registered")
@@ -123,8 +123,8 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     # the agent's runtime is measured through a real agent process: tests/integration
     monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: 12.5)
     # the host's serial time through the real runtime, on fewer items
-    monkeypatch.setattr(profiling, "QUICK_SERIAL_ITEMS", 512)
-    monkeypatch.setattr(profiling, "QUICK_SERIAL_ROUNDS", 1)
+    monkeypatch.setattr(profiling_serial, "QUICK_SERIAL_ITEMS", 512)
+    monkeypatch.setattr(profiling_serial, "QUICK_SERIAL_ROUNDS", 1)
     seen = []
     p = profiling.measure(
         "cpu", quick=True, progress=lambda total=None, advance=0: seen.append((total, advance))
