@@ -29,18 +29,23 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def agent_cpu_s() -> float:
-    """CPU seconds of this process's local agents (children running dpu_agents.server), their
-    worker processes included."""
+def agent_pids() -> list[int]:
+    """This process's local agents: its children running dpu_agents.server."""
 
-    total = 0.0
+    out: list[int] = []
     for pid in child_pids(os.getpid()):
         try:
             if b"dpu_agents.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                total += tree_cpu_s(pid)
+                out.append(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total
+    return out
+
+
+def agent_cpu_s() -> float:
+    """CPU seconds of this process's local agents, their worker processes included."""
+
+    return sum(tree_cpu_s(pid) for pid in agent_pids())
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from nicoffload.kerneltime import RING, busy_ms
-from nicoffload.procstat import agent_cpu_s
+from nicoffload.procstat import agent_pids, tree_cpu_s
 from nicoffload.profiles import KernelCost, LinkCost, Profile
 from nicoffload.profiling_serial import measure_host_serial, serial_method, serial_terms
 
@@ -201,8 +201,13 @@ def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | Non
     if "dpu0" not in topology.ids:
         return None
     n = 512 if quick else 2048
+    others = set(agent_pids())  # agents already running (a test's, a server's): not the probe's
+
+    def probe_cpu_s() -> float:
+        return sum(tree_cpu_s(pid) for pid in agent_pids() if pid not in others)
+
     cpu, stats, batches, pipeline, item = _probe(
-        "agent_probe", "dpu0", agent_cpu_s, quick=quick, topology=topology, workers=1
+        "agent_probe", "dpu0", probe_cpu_s, quick=quick, topology=topology, workers=1
     )
     out_bytes = sum(s.typical_nbytes for s in pipeline.output_specs().values())
     moved_us = (

@@ -339,6 +339,7 @@ def test_idle_metrics_connections_cannot_take_the_agents_descriptors(tmp_path, t
         during = proc_status(agent.pid)
     finally:
         flood.finish()
+        assert agent.stop(timeout=15) == 0
     assert during["fds"] - base["fds"] <= 3 * 4 + 4, (base, during)
     assert during["threads"] - base["threads"] <= 4, (base, during)
 
