@@ -43,3 +43,37 @@ def test_every_row_comes_out_once_in_order_however_many_items_were_announced(ann
     for k, a in result.outputs.items():
         assert a.shape[0] == 10, k
         np.testing.assert_array_equal(a.reshape(10, -1)[:, 0], np.arange(10))
+
+
+def torch_batches(sizes: list[int]):
+    """The same batches with every output a torch tensor, fresh per batch, as a GPU stage
+    hands them over (on the host here: `Staging` copies a host tensor without staging it)."""
+    torch = pytest.importorskip("torch")
+    for b in batches(sizes):
+        yield Batch(
+            b.index,
+            b.start,
+            b.names,
+            {k: torch.from_numpy(a.copy()) for k, a in b.outputs.items()},
+            b.ok,
+            b.failures,
+            b.latencies_s,
+        )
+
+
+@pytest.mark.parametrize("announced", [None, 10, 7, 30])
+def test_tensor_outputs_come_down_batch_by_batch_and_stay_for_torch(announced) -> None:
+    result = collect(BERT, torch_batches([4, 4, 2]), RunStats(), announced)
+    assert result.names == [f"x{i}" for i in range(10)] and result.ok.all()
+    for k, a in result.outputs.items():
+        assert isinstance(a, np.ndarray) and a.shape[0] == 10, k
+        np.testing.assert_array_equal(a.reshape(10, -1)[:, 0], np.arange(10))
+        np.testing.assert_array_equal(result.torch()[k].numpy(), a)  # the tensors, concatenated
+
+
+def test_a_tensor_of_another_shape_than_its_rows_is_an_error_not_a_broadcast() -> None:
+    torch = pytest.importorskip("torch")
+    from nicoffload.session import Staging
+
+    with pytest.raises(ValueError, match="shape"):
+        Staging().down(torch.zeros(1, 4), np.empty((3, 4), np.float32))
