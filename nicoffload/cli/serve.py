@@ -174,6 +174,111 @@ async def _serve(
         await runner.cleanup()
 
 
+def _base(host: str, port: int) -> str:
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
+def output_bytes_per_item(pipeline: Pipeline, outputs: list[dict[str, Any]] | None) -> int:
+    """One item's response bytes (the model's outputs, or the pipeline's): a front's slot."""
+    from nicoffload.serve.kserve import DATATYPES
+
+    if outputs is None:
+        return sum(
+            int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+            for s in pipeline.output_specs().values()
+        )
+    total = 0
+    for o in outputs:
+        dt = DATATYPES.get(o["datatype"])
+        total += int(np.prod([abs(d) for d in o["shape"][1:]])) * (dt.itemsize if dt else 0)
+    return total
+
+
+async def _serve_fronts(fronts: Any, batcher: Any, host: str, ready_doc: dict[str, Any]) -> None:
+    """serve --fronts N: the fronts started, the ready line, then SIGTERM (or the pipeline's
+    end, or fronts dying past their restarts) drains them all."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    restarts: asyncio.Queue[int] = asyncio.Queue()
+    fronts.on_exit = lambda i: loop.call_soon_threadsafe(restarts.put_nowait, i)
+    previous = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        fronts.start()
+    except (OSError, RuntimeError) as exc:
+        raise SystemFailure(f"serve --fronts: {exc}") from None
+    from nicoffload.serve.threads import name_os_threads
+
+    name_os_threads()
+    base = _base(host, fronts.port)
+    name = ready_doc.pop("model")
+    doc = {
+        "url": f"{base}/v2/models/{name}/infer",
+        "model": name,
+        "health": f"{base}/v2/health/ready",
+    }
+    grpc_host = ready_doc.pop("grpc_host")
+    if fronts.grpc_port is not None:
+        doc["grpc"] = (
+            f"{grpc_host if ':' not in grpc_host else f'[{grpc_host}]'}:{fronts.grpc_port}"
+        )
+    doc |= ready_doc | {"fronts": fronts.n, "front_pids": fronts.pids()}
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+    async def watch() -> None:  # a front's restart, on this thread (its PDEATHSIG's)
+        while fronts.failure is None and not batcher.ended.is_set():
+            try:
+                i = await asyncio.wait_for(restarts.get(), 0.2)
+            except TimeoutError:
+                continue
+            fronts.restart(i)
+
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(watch())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        why = "SIGTERM" if stop.is_set() else fronts.failure or "the pipeline stopped"
+        log.info("%s: draining %d fronts", why, fronts.n)
+        await loop.run_in_executor(None, fronts.drain, 60.0)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _fronts(
+    batcher: Any,
+    path: Path,
+    pl: Pipeline,
+    config: Any,
+    outputs: list[dict[str, Any]] | None,
+    max_queue: int,
+    slots: int,
+    n: int,
+    listen: tuple[str, int],
+    grpc_at: tuple[str, int] | None,
+) -> Any:
+    from nicoffload.errors import TransportError
+    from nicoffload.serve import frontwire
+    from nicoffload.serve.fronts import Fronts
+
+    cfg = {
+        "pipeline": str(path.resolve()),
+        "config": dataclasses.asdict(config),
+        "outputs": outputs,
+        "max_queue": max_queue,
+        "switch_interval_s": sys.getswitchinterval(),
+    }
+    slot_bytes = frontwire.slot_bytes_for(output_bytes_per_item(pl, outputs))
+    try:
+        return Fronts(batcher, cfg, n, listen, grpc_at, slots, slot_bytes)
+    except OSError as exc:
+        raise UserError(f"--listen/--grpc {listen[0]}:{listen[1]}: {exc.strerror or exc}") from None
+    except TransportError as exc:
+        raise SystemFailure(f"serve --fronts: {exc}") from None
+
+
 @app.command()
 @handle_errors
 def serve(
@@ -225,6 +330,22 @@ def serve(
         "--wait-batches",
         help="hold each batch open for the pipeline's max wait even when idle (by default a "
         "batch goes as soon as nothing waits behind it and nothing is in flight downstream)",
+    ),
+    n_fronts: int = typer.Option(
+        1,
+        "--fronts",
+        min=1,
+        max=64,
+        help="front processes that parse requests and encode responses, all accepting on the "
+        "--listen port (and --grpc's); the Session stays in this process, fed through shared "
+        "memory. 1: one process does it all",
+    ),
+    front_slots: int = typer.Option(
+        24,
+        "--front-slots",
+        min=1,
+        help="with --fronts: each front's shared-memory slots (requests in flight that travel "
+        "through shared memory; more go inline over its control socket, counted)",
     ),
     switch_us: int = typer.Option(
         500,
@@ -305,10 +426,32 @@ def serve(
             "gc_frozen": gc.get_freeze_count(),
             "auth": "bearer" if token else "none",
         }
+        fronts = None
         try:
-            asyncio.run(_serve(server, batcher, (host, port), grpc_at, ready))
+            if n_fronts == 1:
+                asyncio.run(_serve(server, batcher, (host, port), grpc_at, ready))
+            else:
+                fronts = _fronts(
+                    batcher,
+                    pipeline,
+                    pl,
+                    config,
+                    outputs,
+                    max_queue,
+                    front_slots,
+                    n_fronts,
+                    (host, port),
+                    grpc_at,
+                )
+                ready |= {"model": config.model_name, "grpc_host": grpc_at and grpc_at[0]}
+                asyncio.run(_serve_fronts(fronts, batcher, host, ready))
         finally:  # the stream ends before the session closes (Ctrl-C too): close waits for it
             batcher.stop(timeout=30)
+            if fronts is not None:
+                fronts.close()
+                log.info("fronts: %s", json.dumps(fronts.stats()))
+        if fronts is not None and fronts.failure is not None:
+            raise SystemFailure(f"serve: {fronts.failure}")
         if batcher.failure is not None:
             raise SystemFailure(
                 f"serve: the pipeline failed: {batcher.failure}"

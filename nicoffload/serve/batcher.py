@@ -49,6 +49,8 @@ class Outcome:
         False  # refused for now (the queue is full): HTTP Retry-After, gRPC RESOURCE_EXHAUSTED
     )
     decided: float = 0.0  # perf_counter when it was decided: where `timings` end
+    # gives back what `outputs` points into (a front's shared-memory slot), once encoded
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Pending:
     arrived: float  # perf_counter when the server began to receive it
     parsed: float  # ... when it was read, parsed and checked
     deadline: float | None = None  # perf_counter past which its items are not run
+    forwarded: float = 0.0  # ... when the Session's process had it from a front (--fronts)
     seq: int = 0
     left: int = 0  # items not yet out of the pipeline (or skipped)
     answered: bool = False
@@ -253,6 +256,8 @@ class Batcher:
             return max(0, round((b - a) * 1e6))
 
         marks: list[tuple[str, float]] = [("receive_us", p.parsed)]
+        if p.forwarded:  # from a front process to this one (serve --fronts)
+            marks.append(("forward_us", p.forwarded))
         if p.handed:
             marks.append(("queue_us", p.handed))
         r = p.row

@@ -108,10 +108,14 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         assert req is not None and outcome.outputs is not None
         args = (self.server.config.model_name, req, outcome.outputs)
         names = kserve_out.answered_outputs(req, outcome.outputs)
-        if sum(np.asarray(outcome.outputs[k]).nbytes for k in names) <= INLINE_BYTES:
-            resp = kserve_pb.infer_response(*args)
-        else:  # off the event loop: encoding a large response must not hold up the others
-            resp = await loop.run_in_executor(None, kserve_pb.infer_response, *args)
+        try:
+            if sum(np.asarray(outcome.outputs[k]).nbytes for k in names) <= INLINE_BYTES:
+                resp = kserve_pb.infer_response(*args)
+            else:  # off the event loop: encoding a large response must not hold up the others
+                resp = await loop.run_in_executor(None, kserve_pb.infer_response, *args)
+        finally:  # the response holds copies: a front's slot is free again
+            if outcome.release is not None:
+                outcome.release()
         # the same timing parameters as HTTP's (`Server.timings`): the breakdown over gRPC
         params = self.server.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
         return kserve_pb.add_parameters(resp, params)

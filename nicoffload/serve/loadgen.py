@@ -36,6 +36,7 @@ PARTS = (
     "client_us",  # loadgen: from when the request was due to when it began to send it
     "request_us",  # sent -> the server's handler began (connect, send, aiohttp's or grpc's parsing)
     "receive_us",
+    "forward_us",  # serve --fronts: the front process to the Session's (the control socket)
     "queue_us",
     "admit_us",
     "batch_wait_us",
@@ -288,6 +289,86 @@ async def run_load(
 
             await asyncio.gather(*(client() for _ in range(concurrency or 1)))
         return results, time.perf_counter() - t0
+
+
+def _share(
+    url: str,
+    bodies: Sequence[Any],
+    duration_s: float,
+    rate: float | None,
+    concurrency: int | None,
+    token: str | None,
+    seed: int,
+    at: float,
+) -> tuple[list[Result], float, float]:
+    """One process's share of a run, begun at `at` (time.monotonic, which every process of
+    this kernel reads alike): its results, wall time and CPU seconds."""
+    time.sleep(max(0.0, at - time.monotonic()))
+    cpu = time.process_time()
+    results, wall = asyncio.run(run_load(url, bodies, duration_s, rate, concurrency, token, seed))
+    return results, wall, time.process_time() - cpu
+
+
+def _warm(seconds: float) -> int:
+    import aiohttp  # noqa: F401  (what a share imports, imported before it is timed)
+
+    time.sleep(seconds)
+    import os
+
+    return os.getpid()
+
+
+def pool(procs: int) -> Any:
+    """A pool of `procs` spawned load processes (not forked: a fork of a process that ran
+    asyncio, or a Session, is unsafe), each started and its imports done."""
+    import concurrent.futures
+    import multiprocessing
+
+    p = concurrent.futures.ProcessPoolExecutor(
+        procs, mp_context=multiprocessing.get_context("spawn")
+    )
+    list(p.map(_warm, [0.5] * procs))  # P jobs at once: P processes, each one job
+    return p
+
+
+def run_procs(
+    pool: Any,
+    procs: int,
+    url: str,
+    bodies: Sequence[Any],
+    duration_s: float,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    token: str | None = None,
+    seed: int = 0,
+) -> tuple[list[Result], float, float, int]:
+    """`run_load` spread over `procs` processes of `pool` (a ProcessPoolExecutor; spawned, not
+    forked, is best): open loop, `procs` Poisson streams of rate/procs (seeds seed, seed+1, ..;
+    together one Poisson stream of `rate`); closed loop, the `concurrency` clients dealt out.
+    Every request's own Result comes back, so percentiles are of all the latencies, not an
+    average of each process's. Returns the results, the wall time (the longest share's), the
+    CPU seconds of all the shares, and the processes used."""
+    n = procs if rate is not None else min(procs, concurrency or 1)
+    clients = concurrency or 1
+    shares = [clients // n + (i < clients % n) for i in range(n)]
+    at = time.monotonic() + 0.3  # every share starts together, once spawned and imported
+    jobs = [
+        pool.submit(
+            _share,
+            url,
+            bodies,
+            duration_s,
+            None if rate is None else rate / n,
+            None if rate is not None else shares[i],
+            token,
+            seed + i,
+            at,
+        )
+        for i in range(n)
+    ]
+    done = [j.result() for j in jobs]
+    results = [r for d in done for r in d[0]]
+    return results, max(d[1] for d in done), sum(d[2] for d in done), n
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:

@@ -197,8 +197,14 @@ class Server:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Outcome] = loop.create_future()
 
+        def settle(outcome: Outcome) -> None:
+            if not done.done():
+                done.set_result(outcome)
+            elif outcome.release is not None:  # its handler is gone (cancelled): nobody will
+                outcome.release()
+
         def on_done(outcome: Outcome) -> None:  # on the batcher's thread
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(outcome))
+            loop.call_soon_threadsafe(settle, outcome)
 
         pending = Pending(items, on_done, arrived, time.perf_counter(), deadline)
         try:
@@ -230,12 +236,16 @@ class Server:
         names = kserve_out.answered_outputs(req, outcome.outputs)
         binary = req.binary_output or all((req.outputs or {}).get(k) for k in names)
         size = sum(np.asarray(outcome.outputs[k]).nbytes for k in names)
-        if binary and size <= INLINE_BYTES:
-            parts = kserve_out.response_parts(self.config.model_name, req, outcome.outputs)
-        else:  # off the event loop: encoding a large response must not hold up the others
-            parts = await asyncio.get_running_loop().run_in_executor(
-                None, kserve_out.response_parts, self.config.model_name, req, outcome.outputs
-            )
+        try:
+            if binary and size <= INLINE_BYTES:
+                parts = kserve_out.response_parts(self.config.model_name, req, outcome.outputs)
+            else:  # off the event loop: encoding a large response must not hold up the others
+                parts = await asyncio.get_running_loop().run_in_executor(
+                    None, kserve_out.response_parts, self.config.model_name, req, outcome.outputs
+                )
+        finally:  # the parts are copies: what the outputs point into is free again
+            if outcome.release is not None:
+                outcome.release()
         params = self.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
         body, headers = kserve_out.assemble_response(parts, params)
         return web.Response(body=body, headers=headers)
