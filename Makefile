@@ -31,6 +31,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[ray]'  # tests/integration/test_ray_*.py
 	@# torch, for the tests of Session.dataset and RunResult.torch(): the CPU wheel where one is
 	@# on disk (this project's machines); elsewhere those tests skip ('.[gpu]' brings torch)
 	@if ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \

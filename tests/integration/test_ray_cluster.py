@@ -1,0 +1,165 @@
+"""Scale-out on a local Ray cluster of three labelled nodes on this machine (a host head, a DPU
+worker and a cpu-pool worker, one CPU and 100 MB of object store each): the topology from the
+labels, agents as Ray actors placed by label selectors, runs equal to the all-host run bit for
+bit, an agent actor killed mid-run and restarted, a node removed and the plan made again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
+
+import nicoffload  # noqa: E402
+from nicoffload.errors import UserError  # noqa: E402
+from nicoffload.graph import load_pipeline  # noqa: E402
+from nicoffload.planner import plan_for  # noqa: E402
+from nicoffload.planner.plan import single_device_plan  # noqa: E402
+from nicoffload.ray.agents import AgentFleet  # noqa: E402
+from nicoffload.ray.cluster import discover  # noqa: E402
+from nicoffload.ray.topology import DPU_GEN, ROLE, SERVER  # noqa: E402
+from nicoffload.runner import prepare  # noqa: E402
+from nicoffload.samples import sample_images  # noqa: E402
+from nicoffload.session import Session  # noqa: E402
+
+PIPELINE = load_pipeline("pipelines/resnet50.yaml")
+NODE = {"num_cpus": 1, "object_store_memory": 100 << 20}
+
+
+def pool_of(found) -> str:
+    """The (only, or first) cpu-pool agent device of a discovered topology."""
+    return min(d for d in found.agent_nodes if d.startswith("dpu-pool-"))
+
+
+def across(found, pool: str | None = None) -> dict[str, str]:
+    """Decode on the server's DPU, resize and crop on a pool node, normalize on the host."""
+    pool = pool or pool_of(found)
+    return {"decode": "dpu0", "resize": pool, "crop": pool, "norm": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE, "labels": {ROLE: "host", SERVER: "s0"}, "include_dashboard": False},
+    )
+    try:
+        c.add_node(**NODE, labels={ROLE: "dpu", SERVER: "s0", DPU_GEN: "bf3"})
+        c.add_node(**NODE, labels={ROLE: "cpu-pool"})
+        ray.init(address=c.address, namespace="nicoffload-test", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [b for _, b in sample_images(24, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def host_pixels(images):
+    result = nicoffload.run(PIPELINE, images, plan=single_device_plan(PIPELINE, "cpu"))
+    assert result.ok.all()
+    return result.outputs["pixels"]
+
+
+def plan_across(found, pool: str | None = None):
+    from split_plans import plan_of
+
+    return plan_of(PIPELINE, across(found, pool), topology=found.topology.name)
+
+
+def test_the_topology_comes_from_the_nodes_labels(cluster):
+    found = discover()
+    topo, pool = found.topology, pool_of(found)
+    nodes = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
+    assert found.server == "s0"
+    assert {d.id: d.kind for d in topo.devices} == {"cpu": "cpu", "dpu0": "dpu", pool: "dpu"}
+    assert nodes[found.agent_nodes["dpu0"].id][ROLE] == "dpu"
+    assert nodes[found.agent_nodes[pool].id][ROLE] == "cpu-pool"
+    assert pool == f"dpu-pool-{found.agent_nodes[pool].id[:8]}"
+    assert topo.device("dpu0").profile.endswith("bluefield3-arm.json")  # from its dpu-gen label
+    assert {(link.a, link.b) for link in topo.links} == {("dpu0", "cpu"), (pool, "cpu")}
+
+
+def test_a_run_across_the_three_nodes_equals_the_all_host_run(cluster, images, host_pixels):
+    found = discover()
+    plan = plan_across(found)
+    with AgentFleet(found, ["dpu0", pool_of(found)]) as fleet:
+        # each agent listens on its own node, where its label selector put it
+        for dev, d in fleet.descriptors.items():
+            assert d["node_id"] == found.agent_nodes[dev].id
+        prep = fleet.attach(prepare(PIPELINE, plan, found.topology))
+        with Session(prep, workers=1) as session:
+            result = session.run(images)
+    assert result.ok.all() and result.stats.failover is None
+    np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
+
+
+def test_the_planners_plan_for_the_cluster_runs_equal_to_the_all_host_run(
+    cluster, images, host_pixels
+):
+    found = discover()
+    plan = plan_for(PIPELINE, found.topology)
+    agents = [s.device for s in plan.stages if s.kind == "dpu"]
+    with AgentFleet(found, agents) as fleet:
+        result = nicoffload.run(PIPELINE, images, plan=plan, topology=fleet.topology(),
+                                token_file=fleet.token_file, workers=1)  # fmt: skip
+    assert result.ok.all() and result.stats.failover is None
+    np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
+
+
+def test_an_agent_actor_killed_mid_run_is_restarted_and_no_item_is_lost_or_doubled(
+    cluster, images, host_pixels
+):
+    found = discover()
+    plan = plan_across(found)
+    many = images * 8  # 192 items: three batches of 64, the first back when the kill comes
+    with AgentFleet(found, ["dpu0", pool_of(found)]) as fleet:
+        before = fleet.descriptors["dpu0"]
+        prep = fleet.attach(prepare(PIPELINE, plan, found.topology))
+        names, pixels = [], []
+        with Session(prep, workers=1) as session:
+            for i, batch in enumerate(
+                session.stream((f"i{k}", {"image": b}) for k, b in enumerate(many))
+            ):
+                if i == 0:
+                    fleet.kill("dpu0")  # the actor and, with it, its agent process
+                assert batch.ok.all()
+                names.extend(batch.names)
+                pixels.append(np.asarray(batch.numpy().outputs["pixels"]).copy())
+        assert names == [f"i{k}" for k in range(len(many))]  # each once, in order
+        np.testing.assert_array_equal(np.concatenate(pixels), np.concatenate([host_pixels] * 8))
+        after = fleet.refresh()["dpu0"]  # Ray made the actor again: a new agent on that node
+        assert after["restarted"] and after["pid"] != before["pid"]
+        assert after["node_id"] == before["node_id"]
+        again = nicoffload.run(PIPELINE, images, plan=plan, topology=fleet.topology(),
+                               token_file=fleet.token_file, workers=1)  # fmt: skip
+    assert again.ok.all() and again.stats.failover is None  # served by the restarted agent
+    np.testing.assert_array_equal(again.outputs["pixels"], host_pixels)
+
+
+def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixels):
+    before = discover()
+    extra = cluster.add_node(**NODE, labels={ROLE: "cpu-pool"})
+    with_it = discover()
+    (added,) = set(with_it.topology.ids) - set(before.topology.ids)
+    assert with_it.agent_nodes[added].id == extra.node_id
+    old = plan_across(with_it, added)  # made while the node was there, and using it
+    cluster.remove_node(extra)
+    without = discover()
+    assert without.topology.ids == before.topology.ids  # the others keep their ids
+    with pytest.raises(UserError, match=added):
+        prepare(PIPELINE, old, without.topology)  # refused, naming the device that left
+    replanned = plan_for(PIPELINE, without.topology)
+    assert set(replanned.placement.values()) <= set(without.topology.ids)
+    agents = [s.device for s in replanned.stages if s.kind == "dpu"]
+    with AgentFleet(without, agents) as fleet:
+        result = nicoffload.run(PIPELINE, images, plan=replanned, topology=fleet.topology(),
+                                token_file=fleet.token_file, workers=1)  # fmt: skip
+    assert result.ok.all()
+    np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
