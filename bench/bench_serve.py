@@ -19,7 +19,15 @@ among them), so that one Python client is not the cap.
     python bench/bench_serve.py [--unloaded-s 5] [--step-s 4] [--open-s 10] [--failover-s 60]
                                 [--protocol http|grpc|both] [--plans host,planner,gpu]
                                 [--transport tcp,shm,rdma] [--clients N] [--concurrency 2,4,8,16]
+                                [--fronts 1,4,8 --loadgen-procs 4,6 --rates 2000,4000,..]
                                 [--json] [--out DIR]
+
+`--fronts F,..` (issue #19's H200 target; serve_fronts.py): instead of the curves, per plan the
+Session's own stream throughput, then `serve --fronts F` for each F, loaded open loop at
+`--rates` from each `--loadgen-procs` count (loadgen.run_procs: P Poisson streams of R/P,
+every latency merged), each sweep stopping at the first rate not kept up: goodput, p50/p99,
+host CPU per request (serve's process, its fronts, its agents), and the best goodput with
+p99 <= 20 ms over the Session's throughput (0.8 wanted).
 
 `--plans`: `host` (every node on the host CPU), `planner` (plan_for the local topology), `gpu`
 (every node on gpu0; skipped, with the reason, without CUDA). `--transport T,...`: for each T, a
@@ -41,11 +49,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import datetime as dt
 import json
-import multiprocessing
 import os
 import platform
 import select
@@ -60,6 +66,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import serve_fronts
 from bench_prediction import loadavg, typical_jpegs
 
 import nicoffload
@@ -86,8 +93,8 @@ TRANSPORTS = physical.SCHEMES  # tcp, shm, rdma
 class Serve:
     """A `nicoffload serve --plan PLAN` process and its ready line."""
 
-    def __init__(self, plan: Path, log: Path, grpc: bool = False) -> None:
-        more = ["--grpc", "127.0.0.1:0"] if grpc else []
+    def __init__(self, plan: Path, log: Path, grpc: bool = False, more: tuple = ()) -> None:
+        more = [*(["--grpc", "127.0.0.1:0"] if grpc else []), *more]
         self.proc = subprocess.Popen(
             [
                 *NICOFFLOAD,
@@ -109,13 +116,24 @@ class Serve:
             self.stop()
             raise SystemExit(f"serve did not become ready: {log.read_text()[-2000:]}")
         self.doc = json.loads(line)
-        self.agents = child_pids(self.proc.pid)
+        # --fronts: its front processes, apart from its agents (and from multiprocessing's
+        # resource tracker, which the fronts' shared memory starts)
+        self.fronts = list(self.doc.get("front_pids") or [])
+        self.agents = [
+            c
+            for c in child_pids(self.proc.pid)
+            if c not in self.fronts and b"resource_tracker" not in _cmdline(c)
+        ]
 
     def cpu(self) -> tuple[float, float]:
         """(serve's CPU s, its agents' CPU s)."""
         return process_cpu_s(self.proc.pid), sum(
             tree_cpu_s(a) for a in self.agents
         )  # their worker processes too
+
+    def fronts_cpu(self) -> float:
+        """Its front processes' CPU s (--fronts)."""
+        return sum(process_cpu_s(f) for f in self.fronts)
 
     def threads(self) -> dict[str, float]:
         """serve's CPU s by thread name (serve names its threads: event loop, batcher,
@@ -130,6 +148,13 @@ class Serve:
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def breakdown(results: list[lg.Result], doc: dict[str, Any]) -> dict[str, Any]:
@@ -154,25 +179,8 @@ class Target:
 
     url: str
     bodies: list
-    pool: concurrent.futures.ProcessPoolExecutor | None = None
+    pool: Any = None  # a loadgen.pool of `clients` processes
     clients: int = 1
-
-
-def _client(
-    url: str,
-    bodies: list,
-    seconds: float,
-    rate: float | None,
-    conc: int | None,
-    seed: int,
-    at: float,
-) -> tuple[list[lg.Result], float, float]:
-    """One client process's share of a run, begun at `at` (time.monotonic, which every process
-    of this kernel reads alike): its results, wall time and CPU seconds."""
-    time.sleep(max(0.0, at - time.monotonic()))
-    cpu = time.process_time()
-    results, wall = asyncio.run(lg.run_load(url, bodies, seconds, rate, conc, seed=seed))
-    return results, wall, time.process_time() - cpu
 
 
 def load(t: Target, seconds: float, rate: float | None = None, conc: int = 1) -> dict:
@@ -181,34 +189,15 @@ def load(t: Target, seconds: float, rate: float | None = None, conc: int = 1) ->
         results, wall = asyncio.run(
             lg.run_load(t.url, t.bodies, seconds, rate, None if rate is not None else conc)
         )
-        client_cpu = time.process_time() - cpu
-    else:
-        # the load split: N Poisson streams of rate/N make one of the rate; C closed-loop
-        # clients dealt out to the processes
-        n = t.clients if rate is not None else min(t.clients, conc)
-        shares = [conc // n + (i < conc % n) for i in range(n)]
-        at = time.monotonic() + 0.2
-        jobs = [
-            t.pool.submit(
-                _client,
-                t.url,
-                t.bodies,
-                seconds,
-                None if rate is None else rate / n,
-                None if rate is not None else shares[i],
-                i,
-                at,
-            )
-            for i in range(n)
-        ]
-        done = [j.result() for j in jobs]
-        results = [r for d in done for r in d[0]]
-        wall = max(d[1] for d in done)
-        client_cpu = sum(d[2] for d in done)
+        client_cpu, n = time.process_time() - cpu, 1
+    else:  # N Poisson streams of rate/N make one of the rate; closed loop: the clients dealt out
+        results, wall, client_cpu, n = lg.run_procs(
+            t.pool, t.clients, t.url, t.bodies, seconds, rate, None if rate is not None else conc
+        )
     doc = lg.summarize(results, wall, rate)
     doc |= breakdown(results, doc)
     doc["client_cpu_ms_per_request"] = round(client_cpu / max(1, doc["ok"]) * 1e3, 3)
-    doc["client_processes"] = 1 if t.pool is None else n
+    doc["client_processes"] = n
     if rate is None:
         doc["concurrency"] = conc
     return doc
@@ -449,6 +438,29 @@ def choose_plans(
     return plans, skipped
 
 
+def fronts_row(
+    pipeline: Any,
+    plan: Plan,
+    topology: Any,
+    images: list[bytes],
+    args: argparse.Namespace,
+    folder: Path,
+    slug: str,
+) -> dict[str, Any]:
+    """--fronts: the Session's stream throughput, then serve's sweeps per front count."""
+    print(" the Session's stream ...", file=sys.stderr, flush=True)
+    session = serve_fronts.session_throughput(pipeline, plan, topology, images)
+    by_fronts = serve_fronts.measure(
+        plan, images, args, folder, f"serve-{slug}", Serve, Target, load, KEPT_UP
+    )
+    return {
+        "placement": dict(plan.placement),
+        "session": session,
+        "by_fronts": by_fronts,
+        "ratio": serve_fronts.ratios(by_fronts, session),
+    }
+
+
 def words(text: str) -> list[str]:
     return [w.strip() for w in text.split(",") if w.strip()]
 
@@ -492,6 +504,25 @@ def main() -> int:
         help="then, for a plan with an agent: open loop at 80%% of saturation for this long, the "
         "agent killed (SIGKILL) a third of the way in; every answer's tensor checked (0: off)",
     )
+    ap.add_argument(
+        "--fronts",
+        default="",
+        help="comma list of front process counts (serve --fronts F): instead of the curves "
+        "above, for each plan and F an open-loop sweep at --rates from each --loadgen-procs "
+        "count, beside the Session's own stream throughput (serve_fronts.py)",
+    )
+    ap.add_argument(
+        "--loadgen-procs", default="4", help="with --fronts: comma list of load process counts"
+    )
+    ap.add_argument(
+        "--rates",
+        default="1000,2000,4000,6000,8000,10000,12000,14000,16000",
+        help="with --fronts: the open-loop rates (requests/s), in order; a sweep stops at the "
+        "first one not kept up",
+    )
+    ap.add_argument(
+        "--max-queue", type=int, default=4096, help="with --fronts: serve's --max-queue"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--out", type=Path, help="write bench_serve.json and the plots here")
     args = ap.parse_args()
@@ -510,6 +541,18 @@ def main() -> int:
         args.concurrency = []
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency: a comma list of client counts >= 1 (2,4,8,16)")
+    try:
+        args.fronts = [int(f) for f in words(args.fronts)]
+        args.loadgen_procs = [int(p) for p in words(args.loadgen_procs)]
+        args.rates = [float(r) for r in words(args.rates)]
+    except ValueError as exc:
+        ap.error(f"--fronts, --loadgen-procs, --rates: comma lists of numbers ({exc})")
+    if args.fronts and (
+        min(args.fronts) < 1 or not args.loadgen_procs or min(args.loadgen_procs) < 1
+    ):
+        ap.error("--fronts and --loadgen-procs: counts >= 1")
+    if args.fronts and (not args.rates or min(args.rates) <= 0):
+        ap.error("--rates: requests/s > 0")
     pipeline = nicoffload.load_pipeline(PIPELINE)
     topology = local_topology()
     hints = dict(pipeline.inputs["image"].hints)
@@ -531,16 +574,17 @@ def main() -> int:
     }
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    pool = None
-    if args.clients > 1:  # spawned, not forked: a fork of a process that ran asyncio and numba
-        pool = concurrent.futures.ProcessPoolExecutor(
-            args.clients, mp_context=multiprocessing.get_context("spawn")
-        )
+    pool = lg.pool(args.clients) if args.clients > 1 else None  # spawned, not forked
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name, plan in plans.items():
                 print(f"{name} ...", file=sys.stderr, flush=True)
                 slug = name.replace(" ", "-")
+                if args.fronts:
+                    doc["plans"][name] = fronts_row(
+                        pipeline, plan, topology, images, args, args.out or Path(tmp), slug
+                    )
+                    continue
                 row = measure(
                     plan, images, want, args, args.out or Path(tmp), f"serve-{slug}", pool
                 )
@@ -558,6 +602,10 @@ def main() -> int:
         (args.out / "bench_serve.json").write_text(json.dumps(doc, indent=2) + "\n")
     if args.json:
         print(json.dumps(doc, indent=2))
+        return 0
+    if args.fronts:
+        print(f"{doc['machine']}, {doc['date']}, load {doc['load_before']} -> {doc['load_after']}")
+        print("\n".join(serve_fronts.table(doc)))
         return 0
     print(f"{doc['machine']}, {doc['date']}, load {doc['load_before']} -> {doc['load_after']}")
     print(f"client processes: {args.clients}")

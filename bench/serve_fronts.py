@@ -1,0 +1,168 @@
+"""bench_serve's `--fronts` sweep (issue #19's H200 target): for each plan, `serve --fronts F`
+for each F, loaded open loop at fixed rates (`--rates`) from each count of load processes
+(`--loadgen-procs`), each sweep stopping at the first rate the server does not keep up with;
+beside it, in the same run, the Session's own batch throughput on the same plan and JPEGs
+(`stream`, no serving), which the target compares against: the best goodput with p99 <= 20 ms
+over that throughput, >= 0.8 wanted.
+
+Host CPU per request: serve's process (the Session, the batcher, the fronts' readers), its
+fronts and its agents, over each run's answered requests; the load processes' apart.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nicoffload
+from nicoffload.serve import loadgen as lg
+
+P99_MS = 20.0
+WANTED = 0.8
+
+
+def session_throughput(pipeline: Any, plan: Any, topology: Any, images: list[bytes]) -> dict:
+    """The Session's `stream` on `plan` (each batch read in place, as serve's batcher does):
+    items/s and this process's CPU ms per item over 3 rounds of 4,096 items, after a warm-up."""
+    corpus = [images[i % len(images)] for i in range(4096)]
+    with nicoffload.open(pipeline, plan, topology) as session:
+        for batch in session.stream(corpus[:512]):
+            assert batch.ok.all(), [f.reason for f in batch.failures]
+        cpu, t0 = time.process_time(), time.perf_counter()
+        for _ in range(3):
+            for batch in session.stream(corpus):
+                assert batch.ok.all(), [f.reason for f in batch.failures]
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    items = 3 * len(corpus)
+    return {
+        "stream_items_per_s": round(items / wall, 1),
+        "host_cpu_ms_per_item": round(cpu * 1e3 / items, 4),
+    }
+
+
+def _kept_up(run: dict, seconds: float, kept_up: float) -> bool:
+    return not run["errors_by_status"] and run["duration_s"] <= seconds / kept_up
+
+
+def sweep(
+    serve: Any, target: Any, load: Callable[..., dict], args: Any, kept_up: float
+) -> dict[str, Any]:
+    """One server, one load-process count: the rates in turn until one is not kept up."""
+    load(target, 1.5, rate=min(args.rates))  # warm-up: connections, the first batches
+    runs = []
+    for rate in args.rates:
+        print(f"   {rate:g}/s ...", file=sys.stderr, flush=True)
+        (core0, agents0), fronts0 = serve.cpu(), serve.fronts_cpu()
+        r = load(target, args.open_s, rate=rate)
+        (core1, agents1), fronts1 = serve.cpu(), serve.fronts_cpu()
+        ok = max(1, r["ok"])
+        r["serve_cpu_ms_per_request"] = round((core1 - core0) / ok * 1e3, 4)
+        r["fronts_cpu_ms_per_request"] = round((fronts1 - fronts0) / ok * 1e3, 4)
+        r["agent_cpu_ms_per_request"] = round((agents1 - agents0) / ok * 1e3, 4)
+        r["host_cpu_ms_per_request"] = round(
+            r["serve_cpu_ms_per_request"]
+            + r["fronts_cpu_ms_per_request"]
+            + r["agent_cpu_ms_per_request"],
+            4,
+        )
+        r["kept_up"] = _kept_up(r, args.open_s, kept_up)
+        runs.append(r)
+        if not r["kept_up"]:
+            break
+    within = [
+        r["goodput_per_s"]
+        for r in runs
+        if not r["errors_by_status"] and (r["latency_ms"]["p99"] or 1e9) <= P99_MS
+    ]
+    kept = [r["offered_per_s"] for r in runs if r["kept_up"]]
+    return {
+        "best_goodput_p99_within_20ms_per_s": max(within, default=None),
+        "saturation_per_s": max(kept, default=0.0),
+        "runs": runs,
+    }
+
+
+def measure(
+    plan: Any,
+    images: list[bytes],
+    args: Any,
+    folder: Path,
+    slug: str,
+    serve_cls: Any,
+    target_cls: Any,
+    load: Callable[..., dict],
+    kept_up: float,
+) -> dict[str, Any]:
+    """Every --fronts count x every --loadgen-procs count on `plan` (HTTP)."""
+    plan.save(folder / f"{slug}.json")
+    out: dict[str, Any] = {}
+    for fronts in args.fronts:
+        print(f"  --fronts {fronts} ...", file=sys.stderr, flush=True)
+        more = ("--fronts", str(fronts), "--max-queue", str(args.max_queue))
+        log = folder / f"{slug}-fronts{fronts}.log"
+        s = serve_cls(folder / f"{slug}.json", log, more=more)
+        row: dict[str, Any] = {"front_pids": s.fronts, "by_procs": {}}
+        try:
+            bodies = [lg.request_body("image", [b]) for b in images]
+            for procs in args.loadgen_procs:
+                print(f"  loadgen procs {procs} ...", file=sys.stderr, flush=True)
+                pool = lg.pool(procs)
+                try:
+                    t = target_cls(s.doc["url"], bodies, pool, procs)
+                    row["by_procs"][str(procs)] = sweep(s, t, load, args, kept_up)
+                finally:
+                    pool.shutdown()
+        finally:
+            row["serve_exit"] = s.stop()
+        stats = [x for x in log.read_text().splitlines() if "nicoffload.serve: fronts: " in x]
+        row["fronts_stats"] = stats[-1].split("fronts: ", 1)[1] if stats else None
+        best = [
+            v["best_goodput_p99_within_20ms_per_s"]
+            for v in row["by_procs"].values()
+            if v["best_goodput_p99_within_20ms_per_s"]
+        ]
+        row["best_goodput_p99_within_20ms_per_s"] = max(best, default=None)
+        out[str(fronts)] = row
+    return out
+
+
+def ratios(by_fronts: dict[str, Any], session: dict[str, Any]) -> dict[str, float | None]:
+    """Each front count's best goodput (p99 <= 20 ms) over the Session's stream items/s."""
+    base = session["stream_items_per_s"]
+    return {
+        f: None
+        if r["best_goodput_p99_within_20ms_per_s"] is None
+        else round(r["best_goodput_p99_within_20ms_per_s"] / base, 3)
+        for f, r in by_fronts.items()
+    }
+
+
+def table(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, row in doc["plans"].items():
+        sess = row["session"]
+        lines.append(
+            f"{name}: the Session's stream {sess['stream_items_per_s']:.0f} items/s "
+            f"({sess['host_cpu_ms_per_item']:.3f} ms CPU/item); ratio wanted >= {WANTED}"
+        )
+        lines.append(
+            f"{'fronts':>6} {'procs':>5} {'offered':>8} {'goodput':>8} {'p50':>7} {'p99':>7} "
+            f"{'host ms/req':>11} {'serve':>6} {'fronts':>6} {'client':>6} errors"
+        )
+        for f, fr in row["by_fronts"].items():
+            for p, sw in fr["by_procs"].items():
+                for r in sw["runs"]:
+                    lat = r["latency_ms"]
+                    lines.append(
+                        f"{f:>6} {p:>5} {r['offered_per_s']:>8.0f} {r['goodput_per_s']:>8.0f} "
+                        f"{lat['p50'] or 0:>7.2f} {lat['p99'] or 0:>7.2f} "
+                        f"{r['host_cpu_ms_per_request']:>11.3f} "
+                        f"{r['serve_cpu_ms_per_request']:>6.3f} "
+                        f"{r['fronts_cpu_ms_per_request']:>6.3f} "
+                        f"{r['client_cpu_ms_per_request']:>6.3f} {r['errors_by_status'] or ''}"
+                    )
+        lines.append(f"best goodput (p99 <= 20 ms) / the Session's: {row['ratio']}")
+    return lines
