@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from nicoffload.cli import app, busy, emit_json, handle_errors
+from nicoffload.cli import app, busy, emit_json, handle_errors, ray_options
 from nicoffload.planner.plan import Plan
 
 
@@ -207,6 +207,9 @@ def plan(
         help="accepted and ignored (deprecated, removed in the next release): the runtime runs "
         "every placement, so every plan is the best overall",
     ),
+    ray: str | None = typer.Option(None, "--ray", help=ray_options.RAY_HELP),
+    ray_network: Path | None = typer.Option(None, "--ray-network", help=ray_options.NETWORK_HELP),
+    ray_server: str | None = typer.Option(None, "--ray-server", help=ray_options.SERVER_HELP),
 ) -> None:
     """Place every node on a device (exact: DP for chains, MILP for DAGs) and explain why."""
     from nicoffload.errors import PlanError
@@ -224,6 +227,10 @@ def plan(
             "it goes in the next release",
             err=True,
         )
+    ray_options.check(ray, {"--topology": topology, "--ray-network": ray_network,
+                            "--ray-server": ray_server})  # fmt: skip
+    if ray is not None:
+        topology = ray_options.discovered(ray, ray_network, ray_server).topology
     pl = load_pipeline(pipeline)
     typical = None
     if input_dir is not None:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from nicoffload.cli import app, busy, emit_json, handle_errors
+from nicoffload.cli import app, busy, emit_json, handle_errors, ray_options
 from nicoffload.errors import Mark, RunFailed, UserError
 from nicoffload.graph import load_pipeline
 from nicoffload.inputs import dir_items, sample_items
@@ -161,6 +161,9 @@ def run(
         False, "--strict", help="any failed item fails the run (exit 1, --output not written)"
     ),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+    ray: str | None = typer.Option(None, "--ray", help=ray_options.RAY_HELP),
+    ray_network: Path | None = typer.Option(None, "--ray-network", help=ray_options.NETWORK_HELP),
+    ray_server: str | None = typer.Option(None, "--ray-server", help=ray_options.SERVER_HELP),
 ) -> None:
     """Run a pipeline over a folder of files or generated samples; print throughput, latency,
     per-stage time and host-CPU time. Corrupt items are counted by reason; a run fails (exit 1)
@@ -170,6 +173,10 @@ def run(
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
     check_token_file(token_file)
+    ray_options.check(ray, {"--topology": topology, "--token-file": token_file,
+                            "--ray-network": ray_network, "--ray-server": ray_server})  # fmt: skip
+    found = None if ray is None else ray_options.discovered(ray, ray_network, ray_server)
+    topology = found.topology if found else topology
     pl = load_pipeline(pipeline)
     err = Console(stderr=True)
     if sample is not None:
@@ -195,7 +202,11 @@ def run(
         disable=not err.is_terminal,
     )
     writer = OutputWriter(output, pl, count) if output else None
-    with writer or contextlib.nullcontext(), progress:
+    with (
+        writer or contextlib.nullcontext(),
+        progress,
+        ray_options.agents_for(ray, found, prep) as prep,
+    ):
         task = progress.add_task(pl.name, total=count)
         for batch in stream(prep, items, stats, workers=workers):
             if writer:

@@ -163,3 +163,21 @@ def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixel
                                 token_file=fleet.token_file, workers=1)  # fmt: skip
     assert result.ok.all()
     np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
+
+
+def test_run_with_ray_starts_the_plans_agents_on_the_cluster_and_reports_json(cluster):
+    import json
+    import subprocess
+    import sys
+
+    address = cluster.address
+    cmd = [sys.executable, "-m", "nicoffload", "run", "pipelines/resnet50.yaml", "--sample", "8"]
+    done = subprocess.run(
+        [*cmd, "--ray", address, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["items"] == 8 and doc["errors"] == 0 and doc["failover"] is None
+    assert set(doc["placement"].values()) <= set(discover().topology.ids)
+    for dev in {d for d in doc["placement"].values() if d.startswith("dpu")}:
+        assert f"{dev}: agent at " in done.stderr  # started on its node as a Ray actor
