@@ -11,6 +11,7 @@ fronts and its agents, over each run's answered requests; the load processes' ap
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -125,7 +126,10 @@ def measure(
             if v["best_goodput_p99_within_20ms_per_s"]
         ]
         row["best_goodput_p99_within_20ms_per_s"] = max(best, default=None)
+        row["ready_line"] = {k: v for k, v in s.doc.items() if k not in ("predicted",)}
         out[str(fronts)] = row
+        if args.out:  # what is done so far, should the run be cut short
+            (args.out / f"{slug}-partial.json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 
 

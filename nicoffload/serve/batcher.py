@@ -87,6 +87,9 @@ class Batcher:
         self.items_run = 0  # items handed to the runtime
         self.failure: BaseException | None = None  # what ended the stream, if not a stop
         self.failed_over: str | None = None  # why the DPU stages' items went to the host
+        # called on the batcher's thread after each round of answers (a batch's, a deadline's):
+        # where `serve --fronts` sends the answers it gathered, one write per front
+        self.after_answers: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="nicoffload-serve", daemon=True)
         self.ended = threading.Event()
 
@@ -128,6 +131,7 @@ class Batcher:
                 now = time.perf_counter()
                 if p.deadline is not None and now > p.deadline:
                     self._expire(p, i, now)
+                    self._answered()
                     break
                 p.handed = now
                 with self._lock:
@@ -157,8 +161,16 @@ class Batcher:
                 waiting = list(self._pending.values())
             for p in waiting:
                 self._answer(p, Outcome(500, error=f"the pipeline failed: {exc}"))
+            self._answered()
         finally:
             self.ended.set()
+
+    def _answered(self) -> None:
+        for hook in self.after_answers:
+            try:
+                hook()
+            except Exception:  # as a failing callback: it must not stop the stream
+                log.exception("after answers: %s failed", hook)
 
     def _run_model(
         self, outs: dict[str, np.ndarray], n: int
@@ -219,6 +231,7 @@ class Batcher:
                 p.rows[i] = (outs, int(pos[row]))
         for p, n in touched.values():
             self._settle(p, n)
+        self._answered()
 
     def _settle(self, p: Pending, n: int) -> None:
         """`n` of the request's items are out (or skipped); the last one answers it."""
@@ -238,7 +251,13 @@ class Batcher:
             )
             return
         rows = [r for r in p.rows if r is not None]
-        outputs = {k: np.stack([outs[k][at] for outs, at in rows]) for k in rows[0][0]}
+        # one row and no model: a view, `outs` being this batch's own copy (`_deliver`); a
+        # model's outputs are copied, as it may return a buffer it reuses
+        if len(rows) == 1 and self.model is None:
+            outs, at = rows[0]
+            outputs = {k: v[at : at + 1] for k, v in outs.items()}
+        else:
+            outputs = {k: np.stack([outs[k][at] for outs, at in rows]) for k in rows[0][0]}
         now = time.perf_counter()
         self._answer(p, Outcome(200, outputs, timings=self._timings(p, now), decided=now))
 

@@ -66,6 +66,7 @@ class Front:
     drained: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: set[int] = field(default_factory=set)
+    unsent: list[bytes] = field(default_factory=list)  # answers gathered, for one write
 
 
 class Fronts:
@@ -97,6 +98,7 @@ class Fronts:
         self.inline_requests = 0  # items that did not fit a slot (or found none): in the frame
         self.inline_responses = 0
         self._count = threading.Lock()
+        batcher.after_answers.append(self.flush)
         self.on_exit: Callable[[int], None] = lambda i: None  # set by serve: restart or stop
         size = slots * slot_bytes
         tag = f"nicoffload-front-{os.getpid()}"
@@ -179,9 +181,10 @@ class Fronts:
         ).start()
 
     def _read(self, f: Front) -> None:
+        stream = f.sock.makefile("rb", buffering=1 << 20)
         while True:
             try:
-                msg = wire.recv(f.sock)
+                msg = wire.read(stream)
             except (OSError, ValueError, EOFError, ImportError, ConnectionError):
                 msg = None
             if msg is None:
@@ -193,6 +196,7 @@ class Fronts:
         with f.lock:
             f.dead = True
             lost = len(f.in_flight)
+        stream.close()
         f.sock.close()
         code = f.proc.wait()
         if self.closing and f.drained:
@@ -226,12 +230,14 @@ class Fronts:
         p = Pending(items, on_done, arrived, parsed, deadline, forwarded=forwarded)
         try:
             self.batcher.submit(p)
+            return
         except QueueFull as exc:
             self._reply(f, rid, slot, Outcome(503, error=str(exc), retry=True))
         except RequestError as exc:
             self._reply(f, rid, slot, Outcome(exc.status, error=exc.message))
         except RuntimeError as exc:
             self._reply(f, rid, slot, Outcome(503, error=f"server not ready: {exc}"))
+        self._flush(f)  # a refusal goes at once
 
     def _slot(self, f: Front, which: int, slot: int) -> np.ndarray:
         seg = self.segments[f.index][which]
@@ -265,9 +271,21 @@ class Fronts:
                 where,
                 outs,
             )
-            # it may have died meanwhile: its reader counts what it had in flight
-            with contextlib.suppress(OSError):
-                wire.send(f.sock, msg)
+            f.unsent.append(wire.frame(msg))  # sent by `flush`, after the batcher's round
+
+    def _flush(self, f: Front) -> None:
+        with f.lock:
+            data, f.unsent = b"".join(f.unsent), []
+            if data and not f.dead:
+                # it may have died meanwhile: its reader counts what it had in flight
+                with contextlib.suppress(OSError):
+                    f.sock.sendall(data)
+
+    def flush(self) -> None:
+        """Each front's gathered answers in one write (the batcher's `after_answers`)."""
+        for f in self.fronts:
+            if f is not None and f.unsent:
+                self._flush(f)
 
     def restart(self, i: int) -> None:
         """Front i again (main thread); past MAX_RESTARTS, `failure` says why serve stops."""

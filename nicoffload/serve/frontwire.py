@@ -59,6 +59,19 @@ def recv(sock: socket.socket) -> Any:
     return None if data is None else pickle.loads(data)
 
 
+def read(stream: Any) -> Any:
+    """The next message from a buffered reader (`socket.makefile("rb")`: many frames per
+    system call under load), or None at the end of the stream."""
+    head = stream.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    (n,) = HEADER.unpack(head)
+    if n > MAX_FRAME:
+        raise ConnectionError(f"a frame of {n} bytes, more than {MAX_FRAME}")
+    data = stream.read(n)
+    return None if len(data) < n else pickle.loads(data)
+
+
 def slot_bytes_for(output_bytes_per_item: int) -> int:
     """A slot's size: two items' outputs (or 256 KiB), in 64 KiB pages."""
     want = max(256 << 10, 2 * output_bytes_per_item)
