@@ -3,8 +3,10 @@
 A relay between the client and the agent passes the handshake through, then alters, injects or
 replays frames; another sits between the agent's sender and the host's receiver. Whatever it
 does, a frame that fails its MAC is a connection error (counted as `bad_mac`): never a tensor
-at the receiver, never a command to the agent, and the agent goes on serving others. A stranger
-who connects to the host's receiver first is refused, and the agent still attaches.
+at the receiver, never a command to the agent, and the agent goes on serving others (after
+every test a well-behaved client is served, and the agent's descriptors, threads and memory
+are back within bounds of where they were). A stranger who connects to the host's receiver
+first is refused, and the agent still attaches.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from test_agent_hardening import proc_status, served
 
 from nicoffload.agent import auth
 from nicoffload.agent.client import AgentClient
@@ -136,6 +139,30 @@ def agent(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield a
     assert a.alive(), "the agent died"
     assert a.stop(timeout=15) == 0
+
+
+@pytest.fixture(scope="module")
+def baseline(agent: LocalAgent, token_file: Path) -> dict[str, int]:
+    served(agent.address, auth.read_token(token_file))  # warm: BERT's tokenizer loaded once
+    return proc_status(agent.pid)
+
+
+@pytest.fixture(autouse=True)
+def still_serving(agent: LocalAgent, token_file: Path, baseline: dict[str, int]) -> Iterator[None]:
+    """After each attack: a well-behaved client is served, and the agent holds no more
+    descriptors or threads than before it (once the attacked connection is closed), nor much
+    more memory."""
+    yield
+    served(agent.address, auth.read_token(token_file))
+    deadline = time.monotonic() + 10  # the agent closes the attacked session on its own time
+    while time.monotonic() < deadline:
+        now = proc_status(agent.pid)
+        if now["fds"] <= baseline["fds"] + 2 and now["threads"] <= baseline["threads"] + 2:
+            break
+        time.sleep(0.05)
+    assert now["fds"] <= baseline["fds"] + 2, (baseline, now)
+    assert now["threads"] <= baseline["threads"] + 2, (baseline, now)
+    assert now["rss_kb"] - baseline["rss_kb"] < 60_000, (baseline, now)
 
 
 def host_port(address: str) -> tuple[str, int]:
