@@ -51,7 +51,10 @@ def want(plan, images) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def server(plan, tmp_path_factory):
-    s = Served(["--plan", str(plan), *FRONTS], tmp_path_factory.mktemp("log") / "serve.log")
+    s = Served(
+        ["--plan", str(plan), *FRONTS, "--grpc", "127.0.0.1:0"],
+        tmp_path_factory.mktemp("log") / "serve.log",
+    )
     yield s
     assert s.stop() == 0
 
@@ -90,6 +93,17 @@ def test_fronts_answer_the_all_host_tensors_with_their_ids(server, images, want)
     params = res.get_response()["parameters"]
     parts = sum(v for k, v in params.items() if k.endswith("_us") and k != "server_us")
     assert "forward_us" in params and parts == pytest.approx(params["server_us"], abs=20)
+
+
+def test_grpc_through_the_fronts_answers_the_same_tensors(server, images, want):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.doc["grpc"])
+    i = grpcclient.InferInput("image", [len(images)], "BYTES")
+    i.set_data_from_numpy(np.array(images, dtype=object))
+    res = client.infer(MODEL, [i], request_id="g1")
+    assert res.get_response().id == "g1"
+    assert res.as_numpy("pixels").tobytes() == want.tobytes()
 
 
 def test_a_bad_request_gets_its_status_from_the_front(server, images):
