@@ -98,9 +98,12 @@ class AgentFleet:
                     )
                 node = cluster.agent_nodes[dev]
                 cores = cluster.topology.device(dev).cores
-                # the node's role and its id: a restart lands on that node or nowhere
+                # the node's role and its id: a restart lands on that node or nowhere; the
+                # cores its workers run on are Ray's to count, so nothing else is put there
                 selector = {ROLE: str(node.role), NODE_ID: node.id}
-                self.actors[dev] = AgentActor.options(label_selector=selector).remote(token, cores)
+                self.actors[dev] = AgentActor.options(
+                    label_selector=selector, num_cpus=cores
+                ).remote(token, cores)
             self.descriptors = self.refresh()
         except BaseException:
             self.close()

@@ -10,6 +10,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]')")
 
+from split_plans import plan_of  # noqa: E402
+
 import nicoffload  # noqa: E402
 from nicoffload.errors import UserError  # noqa: E402
 from nicoffload.graph import load_pipeline  # noqa: E402
@@ -18,7 +20,7 @@ from nicoffload.planner.plan import single_device_plan  # noqa: E402
 from nicoffload.ray.agents import AgentFleet  # noqa: E402
 from nicoffload.ray.cluster import discover  # noqa: E402
 from nicoffload.ray.topology import DPU_GEN, ROLE, SERVER  # noqa: E402
-from nicoffload.runner import prepare  # noqa: E402
+from nicoffload.runner import RunStats, prepare  # noqa: E402
 from nicoffload.samples import sample_images  # noqa: E402
 from nicoffload.session import Session  # noqa: E402
 
@@ -67,9 +69,27 @@ def host_pixels(images):
     return result.outputs["pixels"]
 
 
-def plan_across(found, pool: str | None = None):
-    from split_plans import plan_of
+def stream_killing(prep, items, kill, host_pixels):
+    """Stream `items` (their names i0..) on a Session of `prep`, calling `kill` once the first
+    batch is back; every item must come back once, in order, ok and equal to the all-host run."""
+    stats = RunStats()
+    names, pixels = [], []
+    with Session(prep, workers=1) as session:
+        feed = ((f"i{k}", {"image": b}) for k, b in enumerate(items))
+        for i, batch in enumerate(session.stream(feed, stats)):
+            if i == 0:
+                kill()
+            assert batch.ok.all()
+            names.extend(batch.names)
+            pixels.append(np.asarray(batch.numpy().outputs["pixels"]).copy())
+    assert names == [f"i{k}" for k in range(len(items))]  # each once, in order
+    times = len(items) // len(host_pixels)
+    np.testing.assert_array_equal(np.concatenate(pixels), np.concatenate([host_pixels] * times))
+    assert stats.items == len(items) and stats.errors == 0
+    return stats
 
+
+def plan_across(found, pool: str | None = None):
     return plan_of(PIPELINE, across(found, pool), topology=found.topology.name)
 
 
@@ -122,18 +142,7 @@ def test_an_agent_actor_killed_mid_run_is_restarted_and_no_item_is_lost_or_doubl
     with AgentFleet(found, ["dpu0", pool_of(found)]) as fleet:
         before = fleet.descriptors["dpu0"]
         prep = fleet.attach(prepare(PIPELINE, plan, found.topology))
-        names, pixels = [], []
-        with Session(prep, workers=1) as session:
-            for i, batch in enumerate(
-                session.stream((f"i{k}", {"image": b}) for k, b in enumerate(many))
-            ):
-                if i == 0:
-                    fleet.kill("dpu0")  # the actor and, with it, its agent process
-                assert batch.ok.all()
-                names.extend(batch.names)
-                pixels.append(np.asarray(batch.numpy().outputs["pixels"]).copy())
-        assert names == [f"i{k}" for k in range(len(many))]  # each once, in order
-        np.testing.assert_array_equal(np.concatenate(pixels), np.concatenate([host_pixels] * 8))
+        stream_killing(prep, many, lambda: fleet.kill("dpu0"), host_pixels)
         after = fleet.refresh()["dpu0"]  # Ray made the actor again: a new agent on that node
         assert after["restarted"] and after["pid"] != before["pid"]
         assert after["node_id"] == before["node_id"]
@@ -141,6 +150,25 @@ def test_an_agent_actor_killed_mid_run_is_restarted_and_no_item_is_lost_or_doubl
                                token_file=fleet.token_file, workers=1)  # fmt: skip
     assert again.ok.all() and again.stats.failover is None  # served by the restarted agent
     np.testing.assert_array_equal(again.outputs["pixels"], host_pixels)
+
+
+def test_an_agent_process_killed_mid_run_takes_its_actor_down_and_ray_restarts_both(
+    cluster, images, host_pixels
+):
+    import os
+    import signal
+
+    found = discover()
+    plan = plan_of(PIPELINE, {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"},
+                   topology=found.topology.name)  # fmt: skip
+    with AgentFleet(found, ["dpu0"]) as fleet:
+        before = fleet.descriptors["dpu0"]
+        prep = fleet.attach(prepare(PIPELINE, plan, found.topology))
+        stream_killing(
+            prep, images * 8, lambda: os.kill(before["pid"], signal.SIGKILL), host_pixels
+        )
+        after = fleet.refresh()["dpu0"]
+        assert after["restarted"] and after["pid"] != before["pid"]
 
 
 def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixels):
