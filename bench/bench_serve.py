@@ -523,6 +523,9 @@ def main() -> int:
     ap.add_argument(
         "--max-queue", type=int, default=4096, help="with --fronts: serve's --max-queue"
     )
+    ap.add_argument(
+        "--front-slots", type=int, default=24, help="with --fronts: serve's --front-slots"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--out", type=Path, help="write bench_serve.json and the plots here")
     args = ap.parse_args()

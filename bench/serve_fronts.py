@@ -103,8 +103,17 @@ def measure(
     for fronts in args.fronts:
         print(f"  --fronts {fronts} ...", file=sys.stderr, flush=True)
         more = ("--fronts", str(fronts), "--max-queue", str(args.max_queue))
+        more += ("--front-slots", str(args.front_slots))
         log = folder / f"{slug}-fronts{fronts}.log"
-        s = serve_cls(folder / f"{slug}.json", log, more=more)
+        try:
+            s = serve_cls(folder / f"{slug}.json", log, more=more)
+        except SystemExit as exc:  # this count did not start (/dev/shm too small?): the next
+            print(f"  --fronts {fronts}: {exc}", file=sys.stderr, flush=True)
+            out[str(fronts)] = {
+                "error": str(exc)[-2000:],
+                "best_goodput_p99_within_20ms_per_s": None,
+            }
+            continue
         row: dict[str, Any] = {"front_pids": s.fronts, "by_procs": {}}
         try:
             bodies = [lg.request_body("image", [b]) for b in images]
@@ -114,6 +123,11 @@ def measure(
                 try:
                     t = target_cls(s.doc["url"], bodies, pool, procs)
                     row["by_procs"][str(procs)] = sweep(s, t, load, args, kept_up)
+                except Exception as exc:  # recorded: the other counts still run
+                    row["by_procs"][str(procs)] = {
+                        "error": f"{type(exc).__name__}: {exc}"[:2000],
+                        "best_goodput_p99_within_20ms_per_s": None,
+                    }
                 finally:
                     pool.shutdown()
         finally:
@@ -157,7 +171,11 @@ def table(doc: dict[str, Any]) -> list[str]:
             f"{'host ms/req':>11} {'serve':>6} {'fronts':>6} {'client':>6} errors"
         )
         for f, fr in row["by_fronts"].items():
-            for p, sw in fr["by_procs"].items():
+            if "error" in fr:
+                lines.append(f"{f:>6} did not start: {fr['error'][-300:]}")
+            for p, sw in fr.get("by_procs", {}).items():
+                if "error" in sw:
+                    lines.append(f"{f:>6} {p:>5} failed: {sw['error']}")
                 for r in sw["runs"]:
                     lat = r["latency_ms"]
                     lines.append(

@@ -362,6 +362,8 @@ def serve(
 
     SIGTERM drains: readiness goes false, new requests get 503, requests in flight are answered, then the process exits 0.
 
+    With `--fronts N`, N front processes accept on the same port(s), parse and check the requests and encode the responses; the Session stays in this process, fed through shared memory (`--front-slots` per front). Every behaviour above holds across them (one queue, one drain); a front that dies is restarted, its in-flight requests counted as lost.
+
     Deadlines: Triton's `timeout` request parameter or the `Nicoffload-Timeout-Us` header (microseconds); an item whose deadline passed before it enters the pipeline is not run (HTTP 504).
     """
     # our own log at INFO; other libraries' (torch, aiohttp) at WARNING

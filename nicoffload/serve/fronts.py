@@ -130,12 +130,18 @@ class Fronts:
         return [f.pid for f in self.fronts if f is not None]
 
     def start(self) -> None:
-        for i in range(self.n):
-            self.spawn(i)
+        """Every front started (side by side: each takes a second or two to import) and
+        listening."""
+        launched = [self._launch(i) for i in range(self.n)]
+        for i, (proc, sock) in enumerate(launched):
+            self._ready(i, proc, sock)
 
     def spawn(self, i: int) -> None:
         """Front i started and listening (call on the main thread). OSError/RuntimeError when
         it does not come up."""
+        self._ready(i, *self._launch(i))
+
+    def _launch(self, i: int) -> tuple[subprocess.Popen, socket.socket]:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         req, resp = self.segments[i]
         cfg = {
@@ -161,8 +167,11 @@ class Fronts:
             )
         finally:
             theirs.close()
-        front = Front(i, proc, mine)
         wire.send(mine, cfg)
+        return proc, mine
+
+    def _ready(self, i: int, proc: subprocess.Popen, mine: socket.socket) -> None:
+        front = Front(i, proc, mine)
         mine.settimeout(READY_S)
         try:
             hello = wire.recv(mine)
