@@ -114,8 +114,9 @@ class CostModel:
     # runs the Session and its GPUs (whose stages that process feeds), all sharing it
     # (`host_serial`; evaluate: Metrics.serial); 0 on other devices (an agent is its own
     # process).
-    # The solvers' own load rows leave it out: evaluate counts it, so the DP's final choice
-    # and every plan's figures do; the MILP's bottleneck rows do not (the planner issue's)
+    # evaluate counts it, so the DP's final choice and every plan's figures do; the per-node
+    # MILP has rows for it (`milp._add_serial`); the branch classes' program leaves it out,
+    # and where it binds on their plan the per-node MILP decides (`milp._serial_binds`)
     serial: np.ndarray | None = None
     kinds: tuple[str, ...] = ()  # (D,) each device's kind: cpu | dpu | gpu
 

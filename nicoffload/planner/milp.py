@@ -109,6 +109,47 @@ def _add_fused(b: _Builder, model: CostModel, x: dict, work: list, node_ms: list
                 _add(node_ms[g.nodes[-1]], z, g.delta[d])
 
 
+def _add_serial(b: _Builder, model: CostModel, x: dict, T: int) -> None:
+    """T >= the host process's serial time (`evaluate.serial_load`): each stage's serial ms on
+    its device, a stage starting at node v on d where v is on d and node v - 1 (topological
+    order, as `plan.stages_for` cuts) is not: s[v,d] >= x[v,d] - x[v-1,d]. Row 0 of
+    `model.serial` on the runtime's fast path, row 1 on the general one: binary g = 1 unless
+    the placement has the fast path's shape (`evaluate.fast_path`: a DPU stage only first, a
+    GPU stage only last), and w[v,d] = s[v,d] AND g carries the general path's difference."""
+    if model.serial is None or not np.any(model.serial):
+        return
+    n, D = model.n, len(model.devices)
+    kinds = model.kinds or ("cpu",) * D  # no kinds: every placement on the fast path
+    fast, general = model.serial[0], model.serial[1]
+    g = b.var(0, 1, True) if np.any(general != fast) else None
+    if g is not None:
+        for (v, d), col in x.items():
+            if kinds[d] == "dpu" and v > 0:  # a DPU stage that does not come first
+                b.row(
+                    {g: 1.0, col: -1.0, **({x[v - 1, d]: 1.0} if (v - 1, d) in x else {})}, lo=0.0
+                )
+            elif kinds[d] == "gpu" and v < n - 1:  # a GPU stage that something follows
+                b.row(
+                    {g: 1.0, col: -1.0, **({x[v + 1, d]: 1.0} if (v + 1, d) in x else {})}, lo=0.0
+                )
+            elif kinds[d] not in ("cpu", "dpu", "gpu"):
+                b.row({g: 1.0, col: -1.0}, lo=0.0)
+    row = {T: 1.0}
+    for (v, d), col in x.items():
+        if not (fast[d] or general[d]):
+            continue
+        st = b.var(0, 1)  # s[v,d]: a stage starts at v on d
+        b.row({st: 1.0, col: -1.0, **({x[v - 1, d]: 1.0} if (v - 1, d) in x else {})}, lo=0.0)
+        _add(row, st, -fast[d])
+        if g is not None and general[d] != fast[d]:
+            w = b.var(0, 1)  # s AND g
+            b.row({w: 1.0, st: -1.0, g: -1.0}, lo=-1.0)
+            b.row({w: 1.0, st: -1.0}, hi=0.0)
+            b.row({w: 1.0, g: -1.0}, hi=0.0)
+            _add(row, w, -(general[d] - fast[d]))
+    b.row(row, lo=0.0)
+
+
 def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.ndarray | None):
     b = _Builder()
     n, D, R = model.n, len(model.devices), len(model.resources)
@@ -193,6 +234,7 @@ def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.nd
     T = b.var()
     for k in range(R):
         b.row({T: 1.0, **{c: -v / model.divisor[k] for c, v in work[k].items()}}, lo=0.0)
+    _add_serial(b, model, x, T)
     H = b.var()
     host = {}
     for d in np.flatnonzero(model.host):
@@ -231,12 +273,25 @@ def solve_milp(
     if not allowed.any(axis=1).all():
         return MilpResult(None, "infeasible", 0.0, 0)
     fast = _solve_branches(model, goal, allowed, exclude, time_limit, exclude_optimal)
-    if fast is not None:
+    if fast is not None and not _serial_binds(model, goal, fast.placement):
         return fast
     tie = _tie(model, goal, allowed, exclude, exclude_optimal)
     if tie is not None:
         return tie
     return solve_nodes(model, goal, allowed, exclude, time_limit)
+
+
+def _serial_binds(model: CostModel, goal: Goal, placement: np.ndarray | None) -> bool:
+    """Whether the host process's serial time (which the branch classes' program leaves out)
+    raises `placement`'s bottleneck: then its optimum is not shown to be the true one, and the
+    per-node program (which prices it) decides. Otherwise the placement's figures are those
+    that program optimized, and no placement's can be lower: it is the true optimum."""
+    if placement is None or model.serial is None or not np.any(model.serial):
+        return False
+    from nicoffload.planner.evaluate import evaluate
+
+    m = evaluate(model, placement[None, :])
+    return bool(m.serial[0] > float(m.load[0].max()) * (1 + REL_TOL) + 1e-12)
 
 
 def _tie(
