@@ -54,9 +54,7 @@ import datetime as dt
 import json
 import os
 import platform
-import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,139 +66,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_fronts
 from bench_prediction import loadavg, typical_jpegs
+from serve_load import KEPT_UP, PIPELINE, Serve, Target, load
 
 import nicoffload
 from nicoffload.planner import physical, plan_for, plan_placement
 from nicoffload.planner.plan import Plan
-from nicoffload.procstat import child_pids, process_cpu_s, tree_cpu_s
 from nicoffload.serve import loadgen as lg
 from nicoffload.serve.kserve import HEADER_LENGTH
-from nicoffload.serve.threads import cpu_by_thread
 from nicoffload.topology import local_topology
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = ROOT / "pipelines" / "resnet50.yaml"
-NICOFFLOAD = [sys.executable, "-m", "nicoffload"]  # also where no console script is installed
 CONCURRENCY = "2,4,8,16"
 # shares of the closed loop's best goodput; past 1.0 because the closed loop's best is bounded
 # by its clients (C over the latency), not only by the server
 SWEEP = (0.3, 0.45, 0.6, 0.75, 0.9, 1.0, 1.2, 1.5)
-KEPT_UP = 0.95
 PROTOCOLS = ("http", "grpc")
 TRANSPORTS = physical.SCHEMES  # tcp, shm, rdma
-
-
-class Serve:
-    """A `nicoffload serve --plan PLAN` process and its ready line."""
-
-    def __init__(self, plan: Path, log: Path, grpc: bool = False, more: tuple = ()) -> None:
-        more = [*(["--grpc", "127.0.0.1:0"] if grpc else []), *more]
-        self.proc = subprocess.Popen(
-            [
-                *NICOFFLOAD,
-                "serve",
-                str(PIPELINE),
-                "--plan",
-                str(plan),
-                "--listen",
-                "127.0.0.1:0",
-                *more,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log.open("w"),
-            cwd=ROOT,
-        )
-        ready, _, _ = select.select([self.proc.stdout], [], [], 180)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            self.stop()
-            raise SystemExit(f"serve did not become ready: {log.read_text()[-2000:]}")
-        self.doc = json.loads(line)
-        # --fronts: its front processes, apart from its agents (and from multiprocessing's
-        # resource tracker, which the fronts' shared memory starts)
-        self.fronts = list(self.doc.get("front_pids") or [])
-        self.agents = [
-            c
-            for c in child_pids(self.proc.pid)
-            if c not in self.fronts and b"resource_tracker" not in _cmdline(c)
-        ]
-
-    def cpu(self) -> tuple[float, float]:
-        """(serve's CPU s, its agents' CPU s)."""
-        return process_cpu_s(self.proc.pid), sum(
-            tree_cpu_s(a) for a in self.agents
-        )  # their worker processes too
-
-    def fronts_cpu(self) -> float:
-        """Its front processes' CPU s (--fronts)."""
-        return sum(process_cpu_s(f) for f in self.fronts)
-
-    def threads(self) -> dict[str, float]:
-        """serve's CPU s by thread name (serve names its threads: event loop, batcher,
-        the runtime's workers, reader and feeder)."""
-        return cpu_by_thread(self.proc.pid)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def breakdown(results: list[lg.Result], doc: dict[str, Any]) -> dict[str, Any]:
-    """Whether the per-request parts sum to the client's end-to-end latency (ratio of means:
-    loadgen's `attributed_ratio`), and the server's own `server_us` against it."""
-    ok = [r for r in results if r.status == 200]
-    if not ok:
-        return {"ratio": None, "server_ratio": None}
-    latency = sum(r.latency_s for r in ok) * 1e6
-    server = sum(r.timings.get("server_us", 0) for r in ok)
-    return {
-        "latency_mean_ms": round(latency / len(ok) / 1e3, 3),
-        "ratio": doc.get("attributed_ratio"),
-        "server_ratio": round(server / latency, 3),
-    }
-
-
-@dataclasses.dataclass
-class Target:
-    """Where a protocol's requests go, the bodies it sends, and the client processes (None:
-    this one)."""
-
-    url: str
-    bodies: list
-    pool: Any = None  # a loadgen.pool of `clients` processes
-    clients: int = 1
-
-
-def load(t: Target, seconds: float, rate: float | None = None, conc: int = 1) -> dict:
-    if t.pool is None:
-        cpu = time.process_time()
-        results, wall = asyncio.run(
-            lg.run_load(t.url, t.bodies, seconds, rate, None if rate is not None else conc)
-        )
-        client_cpu, n = time.process_time() - cpu, 1
-    else:  # N Poisson streams of rate/N make one of the rate; closed loop: the clients dealt out
-        results, wall, client_cpu, n = lg.run_procs(
-            t.pool, t.clients, t.url, t.bodies, seconds, rate, None if rate is not None else conc
-        )
-    doc = lg.summarize(results, wall, rate)
-    doc |= breakdown(results, doc)
-    doc["client_cpu_ms_per_request"] = round(client_cpu / max(1, doc["ok"]) * 1e3, 3)
-    doc["client_processes"] = n
-    if rate is None:
-        doc["concurrency"] = conc
-    return doc
 
 
 async def _failover_load(
@@ -450,9 +330,7 @@ def fronts_row(
     """--fronts: the Session's stream throughput, then serve's sweeps per front count."""
     print(" the Session's stream ...", file=sys.stderr, flush=True)
     session = serve_fronts.session_throughput(pipeline, plan, topology, images)
-    by_fronts = serve_fronts.measure(
-        plan, images, args, folder, f"serve-{slug}", Serve, Target, load, KEPT_UP
-    )
+    by_fronts = serve_fronts.measure(plan, images, args, folder, f"serve-{slug}")
     return {
         "placement": dict(plan.placement),
         "session": session,

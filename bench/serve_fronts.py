@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from serve_load import KEPT_UP, Serve, Target, load
 
 import nicoffload
 from nicoffload.serve import loadgen as lg
@@ -48,9 +49,7 @@ def _kept_up(run: dict, seconds: float, kept_up: float) -> bool:
     return not run["errors_by_status"] and run["duration_s"] <= seconds / kept_up
 
 
-def sweep(
-    serve: Any, target: Any, load: Callable[..., dict], args: Any, kept_up: float
-) -> dict[str, Any]:
+def sweep(serve: Serve, target: Target, args: Any) -> dict[str, Any]:
     """One server, one load-process count: the rates in turn until one is not kept up."""
     load(target, 1.5, rate=min(args.rates))  # warm-up: connections, the first batches
     runs = []
@@ -69,7 +68,7 @@ def sweep(
             + r["agent_cpu_ms_per_request"],
             4,
         )
-        r["kept_up"] = _kept_up(r, args.open_s, kept_up)
+        r["kept_up"] = _kept_up(r, args.open_s, KEPT_UP)
         runs.append(r)
         if not r["kept_up"]:
             break
@@ -86,17 +85,7 @@ def sweep(
     }
 
 
-def measure(
-    plan: Any,
-    images: list[bytes],
-    args: Any,
-    folder: Path,
-    slug: str,
-    serve_cls: Any,
-    target_cls: Any,
-    load: Callable[..., dict],
-    kept_up: float,
-) -> dict[str, Any]:
+def measure(plan: Any, images: list[bytes], args: Any, folder: Path, slug: str) -> dict[str, Any]:
     """Every --fronts count x every --loadgen-procs count on `plan` (HTTP)."""
     plan.save(folder / f"{slug}.json")
     out: dict[str, Any] = {}
@@ -106,7 +95,7 @@ def measure(
         more += ("--front-slots", str(args.front_slots))
         log = folder / f"{slug}-fronts{fronts}.log"
         try:
-            s = serve_cls(folder / f"{slug}.json", log, more=more)
+            s = Serve(folder / f"{slug}.json", log, more=more)
         except SystemExit as exc:  # this count did not start (/dev/shm too small?): the next
             print(f"  --fronts {fronts}: {exc}", file=sys.stderr, flush=True)
             out[str(fronts)] = {
@@ -121,8 +110,8 @@ def measure(
                 print(f"  loadgen procs {procs} ...", file=sys.stderr, flush=True)
                 pool = lg.pool(procs)
                 try:
-                    t = target_cls(s.doc["url"], bodies, pool, procs)
-                    row["by_procs"][str(procs)] = sweep(s, t, load, args, kept_up)
+                    t = Target(s.doc["url"], bodies, pool, procs)
+                    row["by_procs"][str(procs)] = sweep(s, t, args)
                 except Exception as exc:  # recorded: the other counts still run
                     row["by_procs"][str(procs)] = {
                         "error": f"{type(exc).__name__}: {exc}"[:2000],

@@ -81,7 +81,10 @@ class RemoteBatcher:
 
     def answer(self, msg: tuple) -> None:
         _, rid, status, error, timings, retry, decided, where, outs = msg
-        p, slot = self._pending.pop(rid)
+        got = self._pending.pop(rid, None)
+        if got is None:  # answered already (`end`)
+            return
+        p, slot = got
         release = None
         if where == "slot":
             assert slot is not None
