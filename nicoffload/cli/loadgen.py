@@ -146,12 +146,15 @@ def loadgen(
     rates: list[float | None] = list(parse_rates(rate)) if rate is not None else [None]
     token = read_token(token_file) if token_file is not None else None
     items = load_items(images, sample, seed)
-    name = input_name(url, token)
-    target = url
-    if grpc_at is not None:
+    grpc_addr = None
+    if grpc_at is not None:  # a bad address is said before anything is sent
         from nicoffload.cli.serve import parse_listen
 
-        host, port = parse_listen(grpc_at, "--grpc")
+        grpc_addr = parse_listen(grpc_at, "--grpc")
+    name = input_name(url, token)
+    target = url
+    if grpc_addr is not None:
+        host, port = grpc_addr
         model = url.rstrip("/").split("/")[-2]  # …/v2/models/NAME/infer
         target = f"{lg.GRPC}{host if ':' not in host else f'[{host}]'}:{port}"
         bodies: list[Any] = [lg.grpc_request_body(model, name, [b]) for b in items]
