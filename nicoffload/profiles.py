@@ -24,6 +24,8 @@ FORMAT = "nicoffload-profile"
 # 4: `runtime` may carry `serial_us_per_item` and `serial_us_per_batch` (the host process's
 # GIL-held time per stage, on the runtime's fast path) and `serial_general_us_per_item`,
 # `serial_general_us_per_batch` (on its general path); versions 1 to 3 are still read, without.
+# A decoder's entry may carry `progressive_x` (any version): progressive JPEGs' time over
+# baseline ones'; without it, progressive items are priced as baseline ones.
 VERSION = 4
 STALE_DECODE = (
     "its decode_image points record each decode's work as a 6/8 DCT-scaled image (the planner's "
@@ -47,9 +49,14 @@ class KernelCost:
     # (work, measured ms) the fit came from; (work, measured ms, encoded bytes) with c_ms
     points: tuple[tuple[float, ...], ...] = ()
     c_ms: float = 0.0  # per encoded byte
+    # a progressive JPEG's decode time over a baseline one's of the same image (a decoder's
+    # entry; libjpeg-turbo about 2.9x on the 2-core VM); None where not measured: priced as 1
+    progressive_x: float | None = None
 
-    def ms(self, work: float, encoded: float = 0.0) -> float:
-        return self.a_ms + self.b_ms * work + self.c_ms * encoded
+    def ms(self, work: float, encoded: float = 0.0, progressive: float = 0.0) -> float:
+        """ms per item; `progressive`: the share of the items that are progressive JPEGs."""
+        base = self.a_ms + self.b_ms * work + self.c_ms * encoded
+        return base * (1.0 + progressive * ((self.progressive_x or 1.0) - 1.0))
 
 
 # The frame MAC the links' CPU figures were measured under (`transport.integrity`: GMAC since
@@ -118,6 +125,11 @@ class Profile:
                     **(
                         {"c_ms_per_byte": float(f"{c.c_ms:.5g}")}
                         if c.c_ms or any(len(p) == 3 for p in c.points)
+                        else {}
+                    ),
+                    **(
+                        {"progressive_x": float(f"{c.progressive_x:.4g}")}
+                        if c.progressive_x is not None
                         else {}
                     ),
                     "unit": c.unit,
@@ -226,6 +238,7 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             str(body.get("unit", "")),
             points,
             _number(body, "c_ms_per_byte", where, source) if "c_ms_per_byte" in body else 0.0,
+            _number(body, "progressive_x", where, source) if "progressive_x" in body else None,
         )
     links = {}
     for name, body in (doc.get("links") or {}).items():

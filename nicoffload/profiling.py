@@ -261,8 +261,11 @@ outputs: {{ids: tok.input_ids, mask: tok.attention_mask}}
 """
 
 
-def _jpeg(h: int, w: int, seed: int, quality: int = 90) -> bytes:
-    """A photo-like JPEG of h x w: a shipped sample photo rescaled, else smooth noise."""
+def _jpeg(h: int, w: int, seed: int, quality: int = 90, progressive: bool = False) -> bytes:
+    """A photo-like JPEG of h x w: a shipped sample photo rescaled, else smooth noise; 4:2:0,
+    baseline or progressive."""
+    import io
+
     import simplejpeg
     from PIL import Image
 
@@ -275,37 +278,48 @@ def _jpeg(h: int, w: int, seed: int, quality: int = 90) -> bytes:
         rng = np.random.default_rng(seed)
         small = rng.integers(0, 255, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
         img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
+    if progressive:  # simplejpeg encodes baseline only
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(img)).save(
+            buf, "JPEG", quality=quality, subsampling="4:2:0", progressive=True
+        )
+        return buf.getvalue()
     return simplejpeg.encode_jpeg(
         np.ascontiguousarray(img), quality=quality, colorsubsampling="420"
     )
 
 
 def _pipelines(directory: Path, quick: bool):
-    """(pipeline, input values by name, the ops to time or None for all) for each case of the
-    sweep: each size at quality 90 for every kernel, and again at other qualities for the
-    decoder alone (its time grows with the file's bytes as well as its pixels: the two are
-    fitted apart)."""
+    """(pipeline, input values by name, the ops to time or None for all, progressive) for each
+    case of the sweep: each size at quality 90 for every kernel, and again at other qualities
+    for the decoder alone (its time grows with the file's bytes as well as its pixels: the two
+    are fitted apart), and as progressive JPEGs of the same photos at quality 90 for the
+    decoder alone (`KernelCost.progressive_x`: their time over the baseline ones')."""
     from nicoffload.graph import load_pipeline
     from nicoffload.samples import sample_text
 
     sizes = IMAGE_SIZES[:3] if quick else IMAGE_SIZES
     for i, (h, w) in enumerate(sizes):
-        for quality in (90, *DECODE_QUALITIES):
-            photos = [_jpeg(h, w, seed, quality) for seed in range(PHOTOS)]
+        for quality, progressive in [
+            (90, False),
+            *((q, False) for q in DECODE_QUALITIES),
+            (90, True),
+        ]:
+            photos = [_jpeg(h, w, seed, quality, progressive) for seed in range(PHOTOS)]
             nbytes = sum(map(len, photos)) // len(photos)
             short = int(h * 0.7)
             text = _IMAGE_PIPELINE.format(
                 h=h, w=w, nbytes=nbytes, short=short, crop=min(224, short)
             )
-            path = directory / f"image{i}q{quality}.yaml"
+            path = directory / f"image{i}q{quality}{'p' if progressive else ''}.yaml"
             path.write_text(text)
-            only = None if quality == 90 else {"decode_image"}
-            yield load_pipeline(path), [{"image": data} for data in photos], only
+            only = None if quality == 90 and not progressive else {"decode_image"}
+            yield load_pipeline(path), [{"image": data} for data in photos], only, progressive
     for i, n in enumerate(TOKEN_LENGTHS[:2] if quick else TOKEN_LENGTHS):
         words = " ".join(sample_text(j)[1] for j in range(n // 8 + 1))[: int(n * 4.5)]
         path = directory / f"text{i}.yaml"
         path.write_text(_TEXT_PIPELINE.format(chars=len(words), tokens=n))
-        yield load_pipeline(path), [{"text": words}], None
+        yield load_pipeline(path), [{"text": words}], None, False
 
 
 def cores() -> int:
@@ -374,11 +388,14 @@ def measure_kernels(
     kernels = [k for k in ops.all_kernels() if k.device == kind]
     points: dict[str, list[tuple[float, float]]] = {}
     units: dict[str, str] = {}
+    # per kernel, per (case size) ms of the baseline q90 photos and of the same as progressive
+    baseline: dict[str, dict[tuple, float]] = {}
+    progressives: dict[str, dict[tuple, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cases = list(_pipelines(Path(tmp), quick))
         if progress:
             progress(total=len(cases) * len(kernels))
-        for pipeline, variants, only in cases:
+        for pipeline, variants, only, progressive in cases:
             nodes = list(pipeline.nodes)
             valuesets = [_upstream(pipeline, kind, inputs) for inputs in variants]
             ops_seq = [n.op for n in nodes]
@@ -402,20 +419,39 @@ def measure_kernels(
                     head = chain[0]
                     encoded = head.opdef().encoded
                     point = (work, ms)
+                    units[key] = head.opdef().work_unit
+                    if progressive:  # not a point of the fit: the same photos, progressive
+                        progressives.setdefault(key, {})[work] = ms
+                        if progress:
+                            progress(advance=1)
+                        continue
                     if encoded is not None:
                         point += (encoded(head.params, head.in_specs, head.out_specs),)
+                        if only is None:  # quality 90: the baseline of the progressive case
+                            baseline.setdefault(key, {})[work] = ms
                     points.setdefault(key, []).append(point)
-                    units[key] = head.opdef().work_unit
                 if progress:
                     progress(advance=1)
     out = {}
     for key, p in points.items():
         if len(p[0]) == 3:
             a, b, c = fit_encoded(p)
-            out[key] = KernelCost(a, b, units[key], tuple(p), c)
+            out[key] = KernelCost(
+                a, b, units[key], tuple(p), c, _ratio(progressives, baseline, key)
+            )
         else:
             out[key] = KernelCost(*fit(p), units[key], tuple(p))
     return out
+
+
+def _ratio(num: dict[str, dict], den: dict[str, dict], key: str) -> float | None:
+    """The median over sizes of num's ms over den's (a decoder's progressive_x); None when
+    no size has both."""
+    pairs = [(num[key][w], den[key][w]) for w in num.get(key, {}) if w in den.get(key, {})]
+    if not pairs:
+        return None
+    ratios = [n / d for n, d in pairs if d > 0]
+    return float(np.median(ratios)) if ratios else None
 
 
 def measure_links(*, quick: bool = False) -> dict[str, LinkCost]:

@@ -61,7 +61,14 @@ def pipeline_schema() -> dict[str, Any]:
                     "properties": {
                         "kind": {"enum": list(INPUT_KINDS)},
                         "format": {"type": "string"},
-                        "typical": {"type": "object", "additionalProperties": pos_int},
+                        "typical": {
+                            "type": "object",
+                            "properties": {
+                                # the share of the items that are progressive JPEGs
+                                "progressive": {"type": "number", "minimum": 0, "maximum": 1},
+                            },
+                            "additionalProperties": pos_int,
+                        },
                     },
                 },
             },

@@ -20,20 +20,30 @@ from nicoffload.graph import Pipeline
 LIMIT = 256
 
 
-def _jpeg_hw(data: bytes) -> tuple[int, int] | None:
+# SOF markers of progressive JPEGs (Huffman or arithmetic, sequential or differential): their
+# decode takes about 3x a baseline one's of the same image (`KernelCost.progressive_x`)
+PROGRESSIVE_SOF = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
+
+
+def _jpeg_hw(data: bytes) -> tuple[int, int, int] | None:
+    """(height, width, 1 if progressive else 0) from a JPEG's header; None for anything else."""
     import simplejpeg
+
+    from nicoffload.ops.gpu_decode import jpeg_header
 
     try:
         h, w, _, _ = simplejpeg.decode_jpeg_header(data)
     except (ValueError, TypeError):  # not a JPEG, or a corrupt one: its failure is the run's
         return None
-    return int(h), int(w)
+    head = jpeg_header(data)
+    return int(h), int(w), int(head is not None and head[3] in PROGRESSIVE_SOF)
 
 
 def typical_of(
     pipeline: Pipeline, items: Iterable[tuple[str, Mapping[str, Any]]], limit: int = LIMIT
-) -> dict[str, dict[str, int]]:
-    """Each input's typical size over the first `limit` items ({} for an input none had)."""
+) -> dict[str, dict[str, Any]]:
+    """Each input's typical size over the first `limit` items ({} for an input none had); for
+    JPEGs, the share that are progressive too (`progressive`, 0-1, when any are)."""
     seen: dict[str, list[tuple[int, ...]]] = {name: [] for name in pipeline.inputs}
     for _, values in itertools.islice(items, limit):
         for name, value in values.items():
@@ -53,11 +63,14 @@ def typical_of(
             out[name] = {"chars": max(1, round(np.mean([s[0] for s in sizes])))}
             continue
         typical = {"bytes": max(1, round(np.mean([s[0] for s in sizes])))}
-        images = [s[1:] for s in sizes if len(s) == 3]
+        images = [s[1:] for s in sizes if len(s) == 4]
         if images:
             h = float(np.mean([s[0] for s in images]))
             pixels = float(np.mean([s[0] * s[1] for s in images]))
             typical |= {"height": max(1, round(h)), "width": max(1, round(pixels / h))}
+            share = float(np.mean([s[2] for s in images]))
+            if share > 0:  # the share of progressive JPEGs (their decode costs more)
+                typical["progressive"] = round(share, 3)
         out[name] = typical
     return out
 
@@ -67,7 +80,8 @@ def describe(typical: Mapping[str, Mapping[str, int]]) -> str:
     parts = []
     for name, t in sorted(typical.items()):
         if "height" in t:
-            parts.append(f"'{name}' {t['height']}x{t['width']}, {t['bytes'] / 1e3:.0f} KB")
+            prog = f", {t['progressive']:.0%} progressive" if t.get("progressive") else ""
+            parts.append(f"'{name}' {t['height']}x{t['width']}, {t['bytes'] / 1e3:.0f} KB{prog}")
         elif "chars" in t:
             parts.append(f"'{name}' {t['chars']} characters")
         else:

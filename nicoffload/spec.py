@@ -27,7 +27,7 @@ class InputSpec:
     name: str
     kind: str  # "bytes" | "text"
     format: str | None
-    typical: dict[str, int]
+    typical: dict[str, float]  # sizes (int), `progressive` a share
     mark: Mark
 
 
@@ -87,6 +87,15 @@ def _check_keys(m: MMap, allowed: tuple[str, ...], where: str) -> None:
             )
 
 
+def _share(m: MMap, key: str, where: str) -> float:
+    value = m[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise SpecError(
+            f"{where}.{key} must be a share from 0 to 1, got {_show(value)}", m.value_marks[key]
+        )
+    return float(value)
+
+
 def _positive(m: MMap, key: str, kind: type, where: str) -> Any:
     value = m[key]
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -120,7 +129,10 @@ def _parse_inputs(doc: MMap) -> dict[str, InputSpec]:
         if "typical" in body:
             typical = _expect(typical, MMap, f"input '{name}'.typical", body.value_marks["typical"])
             for key in typical:
-                _positive(typical, key, int, f"input '{name}'.typical")
+                if key == "progressive":  # the share of the items that are progressive JPEGs
+                    _share(typical, key, f"input '{name}'.typical")
+                else:
+                    _positive(typical, key, int, f"input '{name}'.typical")
         fmt = body.get("format")
         out[name] = InputSpec(name, kind, None if fmt is None else str(fmt), dict(typical), mark)
     return out

@@ -195,6 +195,19 @@ def encoded_bytes(pipeline: Pipeline) -> dict[str, float]:
     return out
 
 
+def progressive_share(pipeline: Pipeline) -> dict[str, float]:
+    """Per decoder (a node whose op has the `encoded` feature), the share of its items that are
+    progressive JPEGs (its input's `typical.progressive`, from `sizes.typical_of` or the
+    pipeline file); 0 elsewhere."""
+    specs = effective_specs(pipeline)
+    out = {}
+    for n in pipeline.nodes:
+        hints = dict(specs[n.name][0][0].hints) if specs[n.name][0] else {}
+        decoder = n.opdef().encoded is not None
+        out[n.name] = float(hints.get("progressive", 0.0)) if decoder else 0.0
+    return out
+
+
 def full_size_work(pipeline: Pipeline) -> dict[str, float]:
     """The work of each decoder that DCT-scales (`dct_decoded_hw`) when it decodes at full
     size instead, as its kernels on kinds outside `ops.decode.DCT_SCALING_KINDS` do."""
@@ -275,6 +288,7 @@ def _groups(
     catalog: Catalog,
     cost: np.ndarray,
     encoded: Mapping[str, float],
+    share: Mapping[str, float],
 ) -> list[Group]:
     """A group per fusable window per device kind with its fused kernel: on the devices of
     that kind it runs fused, priced by the profile's entry for the chain (at its first node's
@@ -297,11 +311,27 @@ def _groups(
                     delta[d] = (
                         0.0
                         if entry is None
-                        else max(0.0, entry.ms(fused_work, encoded[names[i]])) - own
+                        else max(
+                            0.0,
+                            _fused_ms(
+                                entry, profiles[dev.id], pipeline, i, fused_work, encoded, share
+                            ),
+                        )
+                        - own
                     )
             s0, rows = fusion.table(found[kind], (i, j), cut)
             groups.append(Group(window, key, delta, s0, rows))
     return groups
+
+
+def _fused_ms(entry, profile, pipeline, i, work, encoded, share) -> float:
+    """A fused chain's ms per item, from node i: a chain led by a decoder pays its
+    progressive items at the decoder's `progressive_x` when its own entry has none."""
+    head = pipeline.nodes[i]
+    own = profile.kernel(head.op)
+    if entry.progressive_x is None and own is not None and own.progressive_x is not None:
+        entry = replace(entry, progressive_x=own.progressive_x)
+    return entry.ms(work, encoded[head.name], share[head.name])
 
 
 def build_model(
@@ -320,6 +350,7 @@ def build_model(
     work = np.array([work_by_name[n] for n in names])
     full = full_size_work(pipeline)
     encoded = encoded_bytes(pipeline)
+    share = progressive_share(pipeline)
     cost = np.full((len(names), D), np.inf)
     why: dict[tuple[int, int], str] = {}
     for v, node in enumerate(pipeline.nodes):
@@ -334,8 +365,8 @@ def build_model(
             else:
                 scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
                 pixels = work[v] if scaled else full[node.name]
-                cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name]))
-    groups = _groups(pipeline, topology, profiles, catalog, cost, encoded)
+                cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name], share[node.name]))
+    groups = _groups(pipeline, topology, profiles, catalog, cost, encoded, share)
     specs = effective_specs(pipeline)
     outputs = {str(r) for r in pipeline.outputs.values()}
     refs: list[TensorRef] = []

@@ -133,11 +133,14 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     assert set(p.kernels) == expect
     assert all(len(c.points) >= 2 and c.a_ms >= 0 and c.b_ms >= 0 for c in p.kernels.values())
     assert p.method.startswith("measured:") and p.machine["cores"] >= 1 and p.date
-    cases = 3 * (1 + len(profiling.DECODE_QUALITIES)) + 2  # sizes x qualities, and texts
+    # sizes x (qualities, and progressive at 90), and texts
+    cases = 3 * (2 + len(profiling.DECODE_QUALITIES)) + 2
     assert seen[0][0] == cases * len(expect) and sum(a for _, a in seen) == seen[0][0]
     # the decoder alone is timed at every quality, each point with its file's mean bytes
     decode = p.kernels["decode_image"].points
     assert len(decode) == 3 * (1 + len(profiling.DECODE_QUALITIES))
+    # and the same photos as progressive JPEGs: not points of the fit, their time's ratio
+    assert p.kernels["decode_image"].progressive_x is not None  # libjpeg-turbo: about 3x
     assert all(len(pt) == 3 and pt[2] > 0 for pt in decode)
     assert all(len(pt) == 2 for pt in p.kernels["resize"].points)
     assert len(p.kernels["resize"].points) == 3
@@ -258,7 +261,7 @@ def test_the_sweep_records_decode_work_as_the_pixels_the_kernel_decodes(
     monkeypatch.setattr(profiling, "TOKEN_LENGTHS", ())
     cases = [c for c in profiling._pipelines(tmp_path, quick=False) if c[2] is None]
     assert len(cases) == 2  # the cases of every kernel (the decoder has more, at other qualities)
-    for (pipeline, variants, _), (h, w) in zip(cases, profiling.IMAGE_SIZES, strict=True):
+    for (pipeline, variants, _, _), (h, w) in zip(cases, profiling.IMAGE_SIZES, strict=True):
         decoded = profiling._upstream(pipeline, "cpu", variants[0])["decode"]
         assert chain_work(pipeline, ["decode"]) == decoded.shape[0] * decoded.shape[1]
         assert decoded.shape[:2] == (h, w)  # 0.7x leaves no DCT scale its 3x margin

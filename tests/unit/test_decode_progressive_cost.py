@@ -1,0 +1,94 @@
+"""A progressive JPEG takes about 3x a baseline one's decode (every scan passes over the
+coefficients again): `profile` measures the ratio on the same photos (`progressive_x`), the
+run's inputs say what share is progressive (`sizes.typical_of`, or `typical.progressive` in the
+pipeline), and the planner prices the decoder at the mix."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nicoffload.errors import SpecError
+from nicoffload.graph import load_pipeline, with_typical
+from nicoffload.planner.cost import Catalog, build_model
+from nicoffload.profiles import KernelCost, Profile, profile_from_json
+from nicoffload.sizes import describe, typical_of
+from nicoffload.topology import local_topology
+
+RESNET = Path(__file__).resolve().parents[2] / "pipelines" / "resnet50.yaml"
+
+
+def jpeg(progressive: bool, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    img = rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90, progressive=progressive)
+    return buf.getvalue()
+
+
+def test_the_share_of_progressive_jpegs_is_read_from_their_headers() -> None:
+    pipeline = load_pipeline(RESNET)
+    items = [(str(i), {"image": jpeg(i % 4 == 0, i)}) for i in range(8)]  # 2 of 8
+    typical = typical_of(pipeline, items)["image"]
+    assert typical["progressive"] == 0.25 and (typical["height"], typical["width"]) == (60, 80)
+    assert "25% progressive" in describe({"image": typical})
+    baseline = typical_of(pipeline, [(str(i), {"image": jpeg(False, i)}) for i in range(4)])
+    assert "progressive" not in baseline["image"]  # none: as before
+
+
+def _decode_ms(pipeline, progressive_x: float | None) -> float:
+    kernels = {
+        "decode_image": KernelCost(0.1, 3e-6, "pixels", (), 1e-6, progressive_x),
+        "resize": KernelCost(0.0, 1e-6, "pixels"),
+        "center_crop": KernelCost(0.0, 1e-6, "pixels"),
+        "normalize": KernelCost(0.0, 1e-6, "pixels"),
+    }
+    topology = local_topology(emulate_dpu=False, gpu=False)
+    model = build_model(
+        pipeline, topology, {"cpu": Profile("cpu", kernels)}, Catalog.from_registry()
+    )
+    return float(model.cost[model.nodes.index("decode"), 0])
+
+
+def test_the_decoder_is_priced_at_the_mix() -> None:
+    pipeline = load_pipeline(RESNET)
+    base = _decode_ms(pipeline, 3.0)
+    typical = dict(pipeline.inputs["image"].hints)
+    mixed = with_typical(
+        pipeline,
+        {
+            "image": {
+                "height": typical["height"],
+                "width": typical["width"],
+                "bytes": 110_000,
+                "progressive": 0.5,
+            }
+        },
+    )
+    assert _decode_ms(mixed, 3.0) == pytest.approx(base * (1 + 0.5 * 2.0))
+    assert _decode_ms(mixed, None) == pytest.approx(base)  # not measured: priced as baseline
+    assert _decode_ms(pipeline, 3.0) == pytest.approx(base)  # no progressive items
+
+
+def test_a_pipeline_may_declare_its_share_and_only_as_a_fraction(tmp_path: Path) -> None:
+    text = RESNET.read_text().replace("bytes: 110000", "bytes: 110000, progressive: 0.2")
+    assert "progressive: 0.2" in text
+    (tmp_path / "p.yaml").write_text(text)
+    pipeline = load_pipeline(tmp_path / "p.yaml")
+    assert dict(pipeline.inputs["image"].hints)["progressive"] == 0.2
+    (tmp_path / "bad.yaml").write_text(text.replace("progressive: 0.2", "progressive: 2"))
+    with pytest.raises(SpecError, match="progressive"):
+        load_pipeline(tmp_path / "bad.yaml")
+
+
+def test_a_profile_keeps_the_ratio() -> None:
+    cost = KernelCost(0.1, 3e-6, "pixels", ((1.0, 2.0, 3.0),), 1e-6, 2.87)
+    doc = Profile("cpu", {"decode_image": cost}).to_json()
+    assert doc["kernels"]["decode_image"]["progressive_x"] == 2.87
+    assert profile_from_json(doc).kernels["decode_image"].progressive_x == 2.87
+    del doc["kernels"]["decode_image"]["progressive_x"]
+    assert profile_from_json(doc).kernels["decode_image"].progressive_x is None
