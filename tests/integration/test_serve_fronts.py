@@ -6,6 +6,7 @@ and `loadgen --procs 2`, whose runs hold every process's requests."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import signal
@@ -193,6 +194,26 @@ def test_past_max_queue_is_503_from_either_front(gated, tmp_path, images):
             assert err.value.status() == "503" and "--max-queue" in err.value.message()
         (tmp_path / "open").touch()
         assert held.result().as_numpy("mean").shape == (2,)
+
+
+def test_a_request_in_flight_on_a_killed_front_is_counted_lost(gated, tmp_path, images):
+    s = gated()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(s.client.infer, MODEL, [image_input(images[:1])])
+        wait_for(tmp_path / "entered")  # in the model, in the Session's process
+        for pid in s.doc["front_pids"]:  # whichever front took it
+            os.kill(pid, signal.SIGKILL)
+        # its connection closed under it: no answer (geventhttpclient's HTTPConnectionClosed)
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            held.result()
+    (tmp_path / "open").touch()
+    wait_until(lambda: s.log.read_text().count("restarted") == 2, "both fronts to restart")
+    client = httpclient.InferenceServerClient(s.hostport)
+    assert client.infer(MODEL, [image_input(images[:1])]).as_numpy("mean").shape == (1,)
+    assert s.stop() == 0
+    stats = front_stats(s.log)
+    assert stats["restarts"] == 2 and stats["lost_in_flight"] == 1
+    assert "with 1 requests in flight: their answers are dropped" in s.log.read_text()
 
 
 def test_sigterm_drains_every_front_and_exits_0(gated, tmp_path, images):
