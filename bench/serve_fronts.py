@@ -55,9 +55,12 @@ def sweep(serve: Serve, target: Target, args: Any) -> dict[str, Any]:
     runs = []
     for rate in args.rates:
         print(f"   {rate:g}/s ...", file=sys.stderr, flush=True)
-        (core0, agents0), fronts0 = serve.cpu(), serve.fronts_cpu()
+        (core0, agents0), each0 = serve.cpu(), serve.fronts_cpu_each()
         r = load(target, args.open_s, rate=rate)
-        (core1, agents1), fronts1 = serve.cpu(), serve.fronts_cpu()
+        (core1, agents1), each1 = serve.cpu(), serve.fronts_cpu_each()
+        fronts0, fronts1 = sum(each0), sum(each1)
+        # each front's CPU s over the run: how evenly the one listener spread the connections
+        r["fronts_cpu_s_each"] = [round(b - a, 3) for a, b in zip(each0, each1, strict=True)]
         ok = max(1, r["ok"])
         r["serve_cpu_ms_per_request"] = round((core1 - core0) / ok * 1e3, 4)
         r["fronts_cpu_ms_per_request"] = round((fronts1 - fronts0) / ok * 1e3, 4)

@@ -69,7 +69,11 @@ class Serve:
 
     def fronts_cpu(self) -> float:
         """Its front processes' CPU s (--fronts)."""
-        return sum(process_cpu_s(f) for f in self.fronts)
+        return sum(self.fronts_cpu_each())
+
+    def fronts_cpu_each(self) -> list[float]:
+        """Each front process's CPU s: how evenly the shared listener spreads the load."""
+        return [process_cpu_s(f) for f in self.fronts]
 
     def threads(self) -> dict[str, float]:
         """serve's CPU s by thread name (serve names its threads: event loop, batcher,
