@@ -193,11 +193,17 @@ class Batcher:
         if why and why != self.failed_over:
             self.failed_over = why
             log.warning("failover: items of the DPU stages ran on the host: %s", why)
+        # every output on the GPU: `numpy()` copies them to fresh host arrays, this batch's own
+        own = bool(batch.outputs) and all(
+            getattr(v, "is_cuda", False) for v in batch.outputs.values()
+        )
         if any(hasattr(v, "is_cuda") for v in batch.outputs.values()):
             batch = batch.numpy()
         keep = np.flatnonzero(batch.ok)
-        # fancy indexing copies: the batch's arrays are views into a slot reused after this
-        outs = {k: np.asarray(v)[keep] for k, v in batch.outputs.items()}
+        if own and len(keep) == len(batch.ok):  # no second copy of 64 rows (19 MB for ResNet)
+            outs = {k: np.asarray(v)[: len(keep)] for k, v in batch.outputs.items()}
+        else:  # fancy indexing copies: the batch's arrays are views into a slot reused after this
+            outs = {k: np.asarray(v)[keep] for k, v in batch.outputs.items()}
         model_error = None
         if self.model is not None and len(keep):
             try:

@@ -126,3 +126,47 @@ def test_closing_batches_when_idle_answers_a_lone_item_before_the_max_wait(tmp_p
         out = ask(batcher, [{"image": images[0]}])
         batcher.stop(30)
     assert out.status == 200 and out.timings["batches"] == 1
+
+
+class _Tensor:
+    """A torch-like output: on the GPU, `cpu().numpy()` is a fresh copy; on the host it is the
+    tensor's own (reused) buffer, as torch's is."""
+
+    def __init__(self, buf: np.ndarray, is_cuda: bool) -> None:
+        self.buf, self.is_cuda = buf, is_cuda
+
+    def cpu(self) -> _Tensor:
+        return _Tensor(self.buf.copy() if self.is_cuda else self.buf, False)
+
+    def numpy(self) -> np.ndarray:
+        return self.buf
+
+
+class _ReusedBuffer:
+    """A session whose every batch (one item) writes its item's number into ONE buffer."""
+
+    executor = None
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.buf, self.is_cuda = np.zeros((1, 4), np.int64), is_cuda
+
+    def stream(self, items):
+        from nicoffload.runtime.batch import Batch
+
+        for i, (name, _) in enumerate(items):
+            self.buf[:] = i
+            yield Batch(i, i, [name], {"x": _Tensor(self.buf, self.is_cuda)},
+                        np.ones(1, bool), [], np.zeros(1))  # fmt: skip
+
+
+@pytest.mark.parametrize("is_cuda", [True, False])
+def test_answers_hold_their_own_rows_when_the_next_batch_reuses_the_buffer(is_cuda):
+    got: list[Outcome] = []
+    batcher = Batcher(_ReusedBuffer(is_cuda), None, max_queue=8)
+    batcher.start()
+    now = time.perf_counter()
+    for _ in range(3):
+        batcher.submit(Pending([{"image": b""}], got.append, now, now))
+    batcher.stop(30)
+    # a host tensor's buffer is copied out; a GPU one's fresh copy is used as it is
+    assert [o.outputs["x"][0, 0] for o in got] == [0, 1, 2]
