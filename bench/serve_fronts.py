@@ -38,10 +38,14 @@ def session_throughput(pipeline: Any, plan: Any, topology: Any, images: list[byt
             for batch in session.stream(corpus):
                 assert batch.ok.all(), [f.reason for f in batch.failures]
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+        # where stream leaves the outputs: GPU outputs are not copied to the host here, as
+        # serve must copy them to answer
+        on_gpu = any(getattr(v, "is_cuda", False) for v in batch.outputs.values())
     items = 3 * len(corpus)
     return {
         "stream_items_per_s": round(items / wall, 1),
         "host_cpu_ms_per_item": round(cpu * 1e3 / items, 4),
+        "outputs_on": "gpu" if on_gpu else "host",
     }
 
 
