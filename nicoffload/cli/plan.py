@@ -109,6 +109,9 @@ def render(plan: Plan, width: int = 120, seconds: float | None = None) -> list[A
                 f"host CPU {p['host_cpu_ms_per_item']:.4f} ms/item\n  lost on {ru['lost_on']} ({ru['reason']}): {ru['why']}"
             )
         )
+        turns = [s["text"] for s in ru.get("would_win_if", ()) if s["factor"] is not None]
+        if turns:
+            out.append(Text("  the runner-up would win with " + "; ".join(turns), style="dim"))
     elif ex:
         from nicoffload.planner.solve import INFEASIBLE
 

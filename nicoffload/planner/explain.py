@@ -12,6 +12,7 @@ import numpy as np
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal, Metrics, evaluate, figures
 from nicoffload.planner.fusion import applied
+from nicoffload.planner.sensitivity import sensitivity
 from nicoffload.topology import Topology
 
 
@@ -240,5 +241,7 @@ def explanation(
             "predicted": figures(model, o),
             "bottleneck": binding(model, topology, o),
             **why_lost(model, topology, goal, m, o),
+            # how firm the choice is: the factor at which the runner-up would win instead
+            "would_win_if": sensitivity(model, goal, best, second),
         }
     return out

@@ -1,0 +1,112 @@
+"""How firm a plan's choice is: by what factor one thing about the machine must change for the
+runner-up to beat the plan on its objective, everything else held (`plan --explain`).
+
+The things: the speed of each kind of device (every device of that kind, its kernels and its end
+of every transfer; the host CPU's serial time too) and the links' bandwidth. A factor above 1
+is faster, below 1 slower; none where no factor from 1/16 to 16 turns the order. It compares
+the two placements only: another placement might overtake the plan sooner. Pure functions of
+the cost model (`evaluate` on a rescaled copy), no search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from nicoffload.planner.cost import CostModel
+from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
+
+LIMIT = 16.0  # the factors tried: 1/LIMIT .. LIMIT
+STEPS = 40  # bisection steps on log(factor): a relative precision far below a percent
+
+
+def scaled(model: CostModel, what: str, factor: float) -> CostModel:
+    """`model` with `what` ("link" or a device kind) `factor` times as fast."""
+    D = len(model.devices)
+    if what == "link":
+        load = model.route_load.copy()
+        load[:, :, D:] /= factor
+        return dataclasses.replace(
+            model, route_load=load, route_ms_per_byte=model.route_ms_per_byte / factor
+        )
+    on = np.array([k == what for k in model.kinds]) if model.kinds else np.zeros(D, bool)
+    cols = np.flatnonzero(on)
+    cost = model.cost.copy()
+    cost[:, cols] /= factor
+    groups = tuple(
+        dataclasses.replace(g, delta=np.where(on, g.delta / factor, g.delta)) for g in model.groups
+    )
+    load, fixed = model.route_load.copy(), model.route_fixed.copy()
+    load[:, :, cols] /= factor  # its end of each transfer (CPU time per byte and per batch)
+    fixed[:, :, cols] /= factor
+    changes: dict[str, Any] = {
+        "cost": cost,
+        "groups": groups,
+        "route_load": load,
+        "route_fixed": fixed,
+    }
+    if model.serial is not None:
+        serial = model.serial.copy()
+        serial[:, cols] /= factor
+        changes["serial"] = serial
+    if model.base is not None:
+        base = model.base.copy()
+        base[cols] /= factor
+        changes["base"] = base
+    return dataclasses.replace(model, **changes)
+
+
+def _wins(model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray) -> bool:
+    """Whether `second` is feasible and better than `best` on the primary objective."""
+    m = evaluate(model, np.stack([best, second]))
+    primary = m.keys(goal.objective)[0]
+    feasible = m.feasible(goal)
+    if not feasible[1]:
+        return False
+    return bool(not feasible[0] or primary[1] < primary[0] * (1 - REL_TOL) - 1e-12)
+
+
+def crossing(
+    model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray, what: str
+) -> float | None:
+    """The factor nearest 1 (in log terms) at which `second` starts to beat `best` when
+    `what` changes alone; None where it does not within 1/LIMIT .. LIMIT."""
+    found = []
+    for end in (LIMIT, 1.0 / LIMIT):
+        if not _wins(scaled(model, what, end), goal, best, second):
+            continue
+        lo, hi = 0.0, math.log(end)  # best wins at lo, second at hi
+        for _ in range(STEPS):
+            mid = (lo + hi) / 2
+            if _wins(scaled(model, what, math.exp(mid)), goal, best, second):
+                hi = mid
+            else:
+                lo = mid
+        found.append(math.exp(hi))
+    return min(found, key=lambda f: abs(math.log(f)), default=None)
+
+
+def sensitivity(
+    model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray | None
+) -> list[dict[str, Any]]:
+    """Per thing that can change (the links, each kind of device the model has), the factor at
+    which the runner-up would win, with a sentence; [] without a runner-up."""
+    if second is None:
+        return []
+    kinds = sorted(set(model.kinds)) if model.kinds else []
+    names = {"cpu": "the host CPU", "dpu": "the DPUs", "gpu": "the GPUs", "link": "the links"}
+    out = []
+    for what in ("link", *kinds):
+        f = crossing(model, goal, best, second, what)
+        name = names.get(what, f"the {what} devices")
+        speed = "bandwidth" if what == "link" else "speed"
+        if f is None:
+            text = f"{name}: no {speed} from 1/{LIMIT:g} to {LIMIT:g}x makes the runner-up win"
+        else:
+            change = f"{f:.3g}x" if f >= 2 else f"1/{1 / f:.3g}" if f <= 0.5 else f"{f - 1:+.0%}"
+            text = f"{name} at {change} {speed}"
+        out.append({"what": what, "factor": None if f is None else float(f"{f:.4g}"), "text": text})
+    return out

@@ -1,0 +1,69 @@
+"""`plan --explain`'s sensitivity: the factor of a device kind's speed or the links' bandwidth
+at which the runner-up would beat the plan. Checked on random models against the cost model
+itself: just short of the factor the plan still wins, just past it the runner-up does, and the
+planner, re-run on the machine so changed, no longer returns the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from test_planner_properties import random_goal, random_model
+
+from nicoffload.planner.evaluate import evaluate
+from nicoffload.planner.runner_up import search_runner_up
+from nicoffload.planner.sensitivity import _wins, crossing, scaled, sensitivity
+from nicoffload.planner.solve import solve
+
+
+def with_kinds(model):
+    return dataclasses.replace(model, kinds=tuple(d.rstrip("0123456789") for d in model.devices))
+
+
+def test_the_factor_is_where_the_runner_up_overtakes() -> None:
+    checked = 0
+    for seed in range(24):
+        checked += _check(seed)
+    assert checked >= 5  # crossings really checked (6 of these seeds have one), not skipped
+
+
+def _check(seed: int) -> int:
+    model = with_kinds(random_model(seed))
+    goal = random_goal(model, seed)
+    best = solve(model, goal)
+    if best is None:
+        return 0
+    second, _, _ = search_runner_up(model, goal, best, model.allowed, 10.0)
+    if second is None:
+        return 0
+    checked = 0
+    for what in ("link", *sorted(set(model.kinds))):
+        f = crossing(model, goal, best, second, what)
+        if f is None or abs(math.log(f)) < 1e-3:
+            continue  # none, or a tie at the machine as it is: no room either side
+        before, after = math.exp(math.log(f) * 0.98), math.exp(math.log(f) * 1.02)
+        assert not _wins(scaled(model, what, before), goal, best, second), (seed, what, f)
+        assert _wins(scaled(model, what, after), goal, best, second), (seed, what, f)
+        moved = scaled(model, what, after)
+        again = solve(moved, goal)
+        assert again is not None
+        m = evaluate(moved, np.stack([again, second])).keys(goal.objective)[0]
+        assert m[0] <= m[1] * (1 + 1e-6) + 1e-9  # at least as good as the runner-up
+        assert not np.array_equal(again, best)  # the plan changed
+        checked += 1
+    return checked
+
+
+def test_a_faster_device_kind_costs_less_on_it_alone() -> None:
+    model = with_kinds(random_model(3))
+    fast = scaled(model, model.kinds[0], 2.0)
+    on = np.array([k == model.kinds[0] for k in model.kinds])
+    np.testing.assert_allclose(fast.cost[:, on], model.cost[:, on] / 2)
+    np.testing.assert_array_equal(fast.cost[:, ~on], model.cost[:, ~on])
+
+
+def test_no_runner_up_no_sensitivity() -> None:
+    model = with_kinds(random_model(3))
+    goal = random_goal(model, 3)
+    assert sensitivity(model, goal, np.zeros(model.n, np.intp), None) == []
