@@ -78,6 +78,8 @@ def profile(
     typer.echo(f"profile of {kind} ({result.machine.get('cpu', '?')}) written to {path}", err=True)
     for key, cost in sorted(result.kernels.items()):
         more = f" + {cost.c_ms:.3e} ms/encoded byte" if cost.c_ms else ""
+        if cost.progressive_x is not None:
+            more += f"; progressive JPEGs {cost.progressive_x:.2f}x"
         typer.echo(
             f"  {key:<30} {cost.a_ms:8.4f} ms + {cost.b_ms:.3e} ms/{cost.unit.rstrip('s')}{more}"
         )
@@ -85,6 +87,11 @@ def profile(
         typer.echo(f"  host runtime                   {result.runtime_us_per_item:8.1f} us/item")
     if result.agent_us_per_item is not None:
         typer.echo(f"  agent runtime                  {result.agent_us_per_item:8.1f} us/item")
+    if result.serial_us_per_item is not None:
+        typer.echo(
+            f"  host process serial (GIL)      {result.serial_us_per_item:8.1f} us/item"
+            f" + {result.serial_us_per_batch or 0.0:.1f} us/batch per stage"
+        )
     for name, link in sorted(result.links.items()):
         typer.echo(
             f"  link {name:<25} {link.latency_ms * 1e3:6.1f} us, {link.bandwidth * 8 / 1e9:6.1f} Gb/s, "
