@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from nicoffload.errors import DeviceError
+from nicoffload.errors import DeviceError, UserError
 from nicoffload.ray import require_ray
 from nicoffload.ray.topology import (
     ClusterTopology,
@@ -17,6 +18,7 @@ from nicoffload.ray.topology import (
 )
 
 NAMESPACE = "nicoffload"
+PROBE_S = 5.0  # to connect to the head's port before ray.init is asked to
 
 
 @contextlib.contextmanager
@@ -26,6 +28,7 @@ def connected(address: str | None) -> Iterator[None]:
     require_ray()
     import ray
 
+    reachable(address)  # ray.init retries an address where nothing listens for minutes
     if ray.is_initialized():
         yield
         return
@@ -37,6 +40,23 @@ def connected(address: str | None) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def reachable(address: str | None, timeout: float = PROBE_S) -> None:
+    """A HOST:PORT where nothing accepts a connection is a DeviceError at once; an address
+    that is not one of `auto`, HOST:PORT or ray://HOST:PORT is the user's mistake."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--ray: {address!r} is not auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise DeviceError(
+            f"ray: nothing answers at {address} ({exc.strerror or exc}): is the head node "
+            "started (`ray start --head`), and is that its GCS port (6379 by default)?"
+        ) from None
 
 
 def discover(

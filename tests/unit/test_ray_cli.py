@@ -29,3 +29,25 @@ def test_a_flag_that_does_not_go_with_ray_is_refused_with_exit_2(args, message):
 def test_the_help_names_the_labels_the_topology_comes_from():
     result = CliRunner().invoke(build_app(), ["plan", "--help"], env={"COLUMNS": "200"})
     assert "nicoffload.io/role" in result.output
+
+
+def test_a_ray_address_where_nothing_listens_fails_at_once_naming_it():
+    import socket
+
+    from nicoffload.errors import DeviceError
+    from nicoffload.ray.cluster import reachable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DeviceError, match=f"nothing answers at 127.0.0.1:{port}"):
+        reachable(f"127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("address", ["nowhere", "host:port", "host:70000", ":6379"])
+def test_a_ray_address_that_is_not_host_port_is_the_users_mistake(address):
+    from nicoffload.errors import UserError
+    from nicoffload.ray.cluster import reachable
+
+    with pytest.raises(UserError, match="is not auto, HOST:PORT"):
+        reachable(address)
