@@ -51,3 +51,14 @@ def test_a_ray_address_that_is_not_host_port_is_the_users_mistake(address):
 
     with pytest.raises(UserError, match="is not auto, HOST:PORT"):
         reachable(address)
+
+
+def test_the_core_and_its_command_line_import_no_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nicoffload; from nicoffload.cli import build_app; build_app(); "
+        "import nicoffload.ray.topology; sys.exit('ray' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
