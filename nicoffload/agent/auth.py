@@ -32,7 +32,8 @@ _SESSION = b"nicoffload-agent/1 session keys "
 def read_token(path: str | Path) -> bytes:
     """The secret in a token file, opened once and checked on its descriptor: a regular file
     (not a link, FIFO or device, which could hang or change), this process's own, readable by
-    no one else, holding at least MIN_TOKEN_BYTES of a token that is not one repeated pattern."""
+    no one else, whose content is as long as its size says (not a pseudo-file of /proc or /sys),
+    holding at least MIN_TOKEN_BYTES of a token that is not one repeated pattern."""
     mark = Mark(str(path), 1, 1)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -53,6 +54,12 @@ def read_token(path: str | Path) -> bytes:
     token = data.strip()
     if len(data) > MAX_TOKEN_FILE:
         raise UserError(f"the token file is more than {MAX_TOKEN_FILE} bytes", mark)
+    if len(data) != st.st_size:  # /proc/self/environ passes every other check, as its owner
+        raise UserError(
+            f"the token file's size is {st.st_size} bytes but {len(data)} were read: a "
+            "pseudo-file (/proc, /sys) or one being written; name a file made for the token",
+            mark,
+        )
     if len(token) < MIN_TOKEN_BYTES:
         raise UserError(
             f"the token must be at least {MIN_TOKEN_BYTES} bytes, got {len(token)} "
