@@ -45,7 +45,12 @@ class AgentActor:
     def __init__(self, token: bytes, cores: int | None) -> None:
         from nicoffload.agent.local import LocalAgent
 
-        self.folder = Path(tempfile.mkdtemp(prefix="nicoffload-ray-agent-"))
+        # one folder per actor, made anew by each incarnation: a restart after a crash (which
+        # cleans nothing up) leaves no stale token file behind it on the node
+        actor_id = ray.get_runtime_context().get_actor_id()
+        self.folder = Path(tempfile.gettempdir()) / f"nicoffload-ray-agent-{actor_id}"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(mode=0o700)
         token_file = self.folder / "agent.token"
         _write_token(token_file, token)
         host = ray.util.get_node_ip_address()
@@ -67,6 +72,7 @@ class AgentActor:
             "pid": self.agent.pid,
             "node_id": ray.get_runtime_context().get_node_id(),
             "restarted": self.restarted,
+            "actor_id": ray.get_runtime_context().get_actor_id(),
         }
 
     def stop(self) -> int:

@@ -157,6 +157,8 @@ def test_an_agent_process_killed_mid_run_takes_its_actor_down_and_ray_restarts_b
 ):
     import os
     import signal
+    import tempfile
+    from pathlib import Path
 
     found = discover()
     plan = plan_of(PIPELINE, {"decode": "dpu0", "resize": "dpu0", "crop": "dpu0", "norm": "cpu"},
@@ -169,6 +171,9 @@ def test_an_agent_process_killed_mid_run_takes_its_actor_down_and_ray_restarts_b
         )
         after = fleet.refresh()["dpu0"]
         assert after["restarted"] and after["pid"] != before["pid"]
+        folder = Path(tempfile.gettempdir()) / f"nicoffload-ray-agent-{after['actor_id']}"
+        assert folder.is_dir()  # the restarted agent's token: the crashed one's was replaced
+    assert not folder.exists()  # and removed when the fleet stopped
 
 
 def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixels):
