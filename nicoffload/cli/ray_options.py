@@ -26,8 +26,8 @@ SERVER_HELP = "with --ray: the server (nicoffload.io/server) to plan for; defaul
 
 
 def check(ray: str | None, flags: dict[str, Any]) -> None:
-    """--ray with --topology or --token-file is the user's mistake (the cluster gives both), and
-    so is --ray-network or --ray-server without --ray."""
+    """--ray with --topology is the user's mistake (the cluster gives it), and so is
+    --ray-network or --ray-server without --ray."""
     for flag, value in flags.items():
         if value is None:
             continue
@@ -52,8 +52,11 @@ def discovered(ray: str, network: Path | None, server: str | None) -> Any:
 
 
 @contextlib.contextmanager
-def agents_for(ray: str | None, found: Any, prep: Any) -> Iterator[Any]:
-    """`prep` as it is without --ray; with it, `prep` attached to the agents of its DPU stages,
+def agents_for(
+    ray: str | None, found: Any, prep: Any, token_file: Path | None = None
+) -> Iterator[Any]:
+    """`prep` as it is without --ray; with it, `prep` attached to the agents of its DPU stages:
+    those already running (nicoffload.io/agent-port, reached with `token_file`) and the others
     started as Ray actors on their nodes for the block and stopped after it."""
     if ray is None:
         yield prep
@@ -62,7 +65,8 @@ def agents_for(ray: str | None, found: Any, prep: Any) -> Iterator[Any]:
     from nicoffload.ray.cluster import connected
 
     devices = [s.device for s in prep.plan.stages if s.kind == "dpu"]
-    with connected(ray), AgentFleet(found, devices) as fleet:
+    with connected(ray), AgentFleet(found, devices, token_file) as fleet:
         for dev, d in fleet.descriptors.items():
-            typer.echo(f"{dev}: agent at {d['address']} (Ray node {d['node_id'][:8]})", err=True)
+            how = "attached" if d.get("attached") else f"started on Ray node {d['node_id'][:8]}"
+            typer.echo(f"{dev}: agent at {d['address']} ({how})", err=True)
         yield fleet.attach(prep)

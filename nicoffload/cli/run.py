@@ -173,8 +173,8 @@ def run(
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
     check_token_file(token_file)
-    ray_options.check(ray, {"--topology": topology, "--token-file": token_file,
-                            "--ray-network": ray_network, "--ray-server": ray_server})  # fmt: skip
+    ray_options.check(ray, {"--topology": topology, "--ray-network": ray_network,
+                            "--ray-server": ray_server})  # fmt: skip
     found = None if ray is None else ray_options.discovered(ray, ray_network, ray_server)
     topology = found.topology if found else topology
     pl = load_pipeline(pipeline)
@@ -205,7 +205,7 @@ def run(
     with (
         writer or contextlib.nullcontext(),
         progress,
-        ray_options.agents_for(ray, found, prep) as prep,
+        ray_options.agents_for(ray, found, prep, token_file) as prep,
     ):
         task = progress.add_task(pl.name, total=count)
         for batch in stream(prep, items, stats, workers=workers):

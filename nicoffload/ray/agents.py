@@ -23,8 +23,8 @@ from typing import Any
 
 import ray
 
-from nicoffload.errors import DeviceError
-from nicoffload.ray.topology import NODE_ID, ROLE, ClusterTopology
+from nicoffload.errors import DeviceError, UserError
+from nicoffload.ray.topology import AGENT_PORT, NODE_ID, ROLE, ClusterTopology
 from nicoffload.topology import Topology
 
 MAX_RESTARTS = 3  # per agent actor; a node that keeps killing its agent is not retried for ever
@@ -84,19 +84,39 @@ class AgentActor:
 
 class AgentFleet:
     """The agent actors of some of a cluster topology's devices, and the token file the host
-    reaches them with (one token for the fleet, in a private folder of this process).
-    `close()` drains and stops every agent and ends its actor."""
+    reaches them with: one token for the fleet, `token_file`'s when given (it must be, when a
+    device's agent is attached: one already running there, `nicoffload.io/agent-port`), else a
+    new one in a private folder of this process. Attached agents are reached, not started.
+    `close()` drains and stops every agent started and ends its actor."""
 
-    def __init__(self, cluster: ClusterTopology, devices: Iterable[str]) -> None:
+    def __init__(
+        self, cluster: ClusterTopology, devices: Iterable[str], token_file: str | Path | None = None
+    ) -> None:
         from nicoffload.agent import auth
 
         self.cluster = cluster
         self.folder = Path(tempfile.mkdtemp(prefix="nicoffload-ray-"))
-        self.token_file = self.folder / "fleet.token"
-        token = auth.write_token(self.token_file)
         self.actors: dict[str, Any] = {}
+        wanted = list(dict.fromkeys(devices))
+        attached = {
+            d: cluster.topology.device(d).address for d in wanted if d in cluster.agent_nodes
+        }
+        attached = {d: a for d, a in attached.items() if a}
+        if token_file is not None:
+            self.token_file = Path(token_file)
+            token = auth.read_token(token_file)  # UserError: missing, unreadable, too open
+        elif attached:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise UserError(
+                f"{', '.join(attached)}: an agent already runs there ({AGENT_PORT}): pass the "
+                "--token-file it was started with"
+            )
+        else:
+            self.token_file = self.folder / "fleet.token"
+            token = auth.write_token(self.token_file)
+        self.attached = {d: {"address": a, "attached": True} for d, a in attached.items()}
         try:
-            for dev in dict.fromkeys(devices):
+            for dev in (d for d in wanted if d not in attached):
                 if dev not in cluster.agent_nodes:
                     raise DeviceError(
                         f"{dev}: not an agent device of topology '{cluster.topology.name}' "
@@ -132,8 +152,8 @@ class AgentFleet:
                     time.sleep(WATCH_S)
                 except (ray.exceptions.RayError, TimeoutError) as exc:
                     raise DeviceError(f"{dev}: its agent actor did not start: {exc}") from exc
-        self.descriptors = out
-        return out
+        self.descriptors = {**self.attached, **out}
+        return self.descriptors
 
     def topology(self) -> Topology:
         """The cluster topology with each of this fleet's agents' current address."""

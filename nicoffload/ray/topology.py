@@ -7,6 +7,8 @@ Labels (on `ray start --labels` or a node's config):
     nicoffload.io/role:    host | dpu | gpu | cpu-pool
     nicoffload.io/server:  the server a host, dpu or gpu node belongs to (a pool belongs to none)
     nicoffload.io/dpu-gen: bf2 | bf3 (a dpu node's profile: bluefield2-arm, bluefield3-arm)
+    nicoffload.io/agent-port: PORT (an agent already runs on that node, under systemd: the
+                          host attaches to it at the node's address instead of starting one)
 
 A server's host node is the `cpu` device (the process running the Session is there), its GPUs
 (Ray's GPU resource on that node) are gpu0..; every dpu node of the server and every cpu-pool
@@ -35,6 +37,7 @@ from nicoffload.yamlmarks import MMap, MSeq, did_you_mean, read_marked
 ROLE = "nicoffload.io/role"
 SERVER = "nicoffload.io/server"
 DPU_GEN = "nicoffload.io/dpu-gen"
+AGENT_PORT = "nicoffload.io/agent-port"  # an agent runs there already (systemd): attach to it
 NODE_ID = "ray.io/node-id"  # Ray's own label: selects one node exactly
 POOL_ID = 8  # hex digits of the node id in a pool device's id
 ROLES = ("host", "dpu", "gpu", "cpu-pool")
@@ -57,6 +60,13 @@ class Node:
     labels: dict[str, str]
     cpus: int
     gpus: int
+    ip: str = ""
+
+    @property
+    def attached(self) -> str | None:
+        """HOST:PORT of an agent already running there (systemd), to attach to, else None."""
+        port = self.labels.get(AGENT_PORT)
+        return f"{self.ip}:{port}" if port and self.ip else None
 
     @property
     def role(self) -> str | None:
@@ -96,7 +106,8 @@ def nodes_of(raw: list[dict[str, Any]]) -> list[Node]:
             continue
         res = n.get("Resources", {})
         labels = {str(k): str(v) for k, v in (n.get("Labels") or {}).items()}
-        out.append(Node(n["NodeID"], labels, int(res.get("CPU", 0)), int(res.get("GPU", 0))))
+        cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
+        out.append(Node(n["NodeID"], labels, cpus, gpus, str(n.get("NodeManagerAddress", ""))))
     return sorted(out, key=lambda n: n.id)
 
 
@@ -164,7 +175,15 @@ def cluster_topology(
         count["dpu"] += role == "dpu"
         cores = max(1, node.cpus)
         devices.append(
-            Device(dev_id, "dpu", cores, float(cores), None, None, _profile(role, node, network))
+            Device(
+                dev_id,
+                "dpu",
+                cores,
+                float(cores),
+                None,
+                node.attached,
+                _profile(role, node, network),
+            )
         )
         links.append(_link_for(role, dev_id, network))
         agent_nodes[dev_id] = node

@@ -176,6 +176,39 @@ def test_an_agent_process_killed_mid_run_takes_its_actor_down_and_ray_restarts_b
     assert not folder.exists()  # and removed when the fleet stopped
 
 
+def test_an_agent_already_running_on_a_node_is_attached_to_not_started(
+    cluster, images, host_pixels, tmp_path
+):
+    from nicoffload.agent import auth
+    from nicoffload.agent.local import LocalAgent
+    from nicoffload.ray.topology import AGENT_PORT
+
+    token = tmp_path / "agent.token"
+    auth.write_token(token)
+    ip = ray.util.get_node_ip_address()
+    with LocalAgent(token, listen=f"{ip}:0", cores=1) as agent:  # as systemd would run it
+        port = agent.address.rsplit(":", 1)[1]
+        node = cluster.add_node(**NODE, labels={ROLE: "dpu", SERVER: "s0", AGENT_PORT: port})
+        try:
+            found = discover()
+            (dev,) = [d for d, n in found.agent_nodes.items() if n.id == node.node_id]
+            assert found.topology.device(dev).address == agent.address
+            plan = plan_of(PIPELINE, {"decode": dev, "resize": dev, "crop": "cpu", "norm": "cpu"},
+                           topology=found.topology.name)  # fmt: skip
+            with pytest.raises(UserError, match="--token-file"):
+                AgentFleet(found, [dev])
+            with AgentFleet(found, [dev], token) as fleet:
+                assert fleet.actors == {} and fleet.descriptors[dev]["attached"]
+                prep = fleet.attach(prepare(PIPELINE, plan, found.topology))
+                with Session(prep, workers=1) as session:
+                    result = session.run(images)
+                assert result.ok.all() and result.stats.failover is None
+                np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
+            assert agent.alive()  # attached, so left running
+        finally:
+            cluster.remove_node(node)
+
+
 def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixels):
     before = discover()
     extra = cluster.add_node(**NODE, labels={ROLE: "cpu-pool"})

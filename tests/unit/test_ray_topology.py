@@ -91,3 +91,11 @@ def test_a_mistake_in_a_network_file_names_its_line(tmp_path, text, line, what):
     with pytest.raises(TopologyError, match=what) as info:
         load_network(net)
     assert f"net.yaml:{line}:" in str(info.value)
+
+
+def test_a_node_whose_agent_runs_already_gives_its_device_that_address():
+    attached = node("bb02", cpus=4, role="dpu", server="s0", agent_port="7070")
+    attached["NodeManagerAddress"] = "10.0.0.2"
+    found = cluster_topology(nodes_of([FLEET[0], attached]))
+    assert found.topology.device("dpu0").address == "10.0.0.2:7070"
+    assert cluster_topology(nodes_of(FLEET[:2])).topology.device("dpu0").address is None
