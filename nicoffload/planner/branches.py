@@ -119,6 +119,7 @@ def _signature(model: CostModel, comp: tuple[int, ...], refs_of: dict, inputs_of
             model.cost[v].tobytes(),
             float(model.mem[v]),
             tuple(sorted((r.nbytes, r.output, bool(r.consumers)) for r in refs_of[v])),
+            tuple(sorted((d, k, ms) for sv, d, k, ms in model.side if sv == v)),
         )
         for v in comp
     )
@@ -181,6 +182,9 @@ def _graph(
         if d >= 0:
             own = float(model.cost[comp[i], d]) + (settled(p, i, d) if after[i] else 0.0)
             load[d] += own
+            for sv, sd, k, extra in model.side:  # `planner.side`: load on another resource
+                if sv == comp[i] and sd == d:
+                    load[k] += extra
         tail.append(t)
         head.append(sink if d < 0 else state(i, d, 0 if after[i] else i - p + 1))
         pos.append(i)

@@ -25,6 +25,7 @@ from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
 from nicoffload.ops import kernel_consumers
 from nicoffload.ops.decode import DCT_SCALING_KINDS, decoded_size
 from nicoffload.planner import fusion
+from nicoffload.planner.side import gpu_progressive
 from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
@@ -119,6 +120,9 @@ class CostModel:
     # and where it binds on their plan the per-node MILP decides (`milp._serial_binds`)
     serial: np.ndarray | None = None
     kinds: tuple[str, ...] = ()  # (D,) each device's kind: cpu | dpu | gpu
+    # (node, device, resource, core-ms per item): what node v on device d also costs another
+    # resource (`planner.side`: a GPU decoder's progressive JPEGs on the host's threads)
+    side: tuple[tuple[int, int, int, float], ...] = ()
 
     @property
     def n(self) -> int:
@@ -366,6 +370,10 @@ def build_model(
                 scaled = node.name not in full or dev.kind in DCT_SCALING_KINDS
                 pixels = work[v] if scaled else full[node.name]
                 cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name], share[node.name]))
+    pixels = {n: float(full.get(n, work_by_name[n])) for n in names}
+    side = gpu_progressive(
+        pipeline, topology, profiles, cost, pixels, encoded, share, session_host(topology)
+    )
     groups = _groups(pipeline, topology, profiles, catalog, cost, encoded, share)
     specs = effective_specs(pipeline)
     outputs = {str(r) for r in pipeline.outputs.values()}
@@ -418,6 +426,7 @@ def build_model(
         base=runtime_load(topology, profiles, len(rt.resources)),
         serial=host_serial(topology, profiles, pipeline.batch_max_size),
         kinds=tuple(d.kind for d in topology.devices),
+        side=side,
     )
 
 

@@ -156,6 +156,9 @@ def _place(
     ms = model.cost[v, d]
     vecs[:, d] += ms
     vecs[:, R] += ms
+    for sv, sd, k, extra in model.side:  # `planner.side`: load on another resource
+        if sv == v and sd == d:
+            vecs[:, k] += extra
     vecs[:, R + 2 + d] += model.mem[v]
     if cut[v + 1]:
         _settle(vecs, R, fused[p, v, d], d)

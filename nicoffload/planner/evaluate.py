@@ -100,6 +100,8 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
     for v in range(n):
         node_ms[:, v] = model.cost[v, P[:, v]]
         np.add.at(work, (rows, P[:, v]), np.where(np.isfinite(node_ms[:, v]), node_ms[:, v], 0.0))
+    for v, d, k, ms in model.side:  # what a node on d costs elsewhere (`planner.side`)
+        work[P[:, v] == d, k] += ms
     fused = applied(model, P)
     for k, g in enumerate(model.groups):
         dev = P[:, g.nodes[0]]

@@ -159,6 +159,9 @@ def _formulate(model: CostModel, goal: Goal, allowed: np.ndarray, exclude: np.nd
     for (v, d), col in x.items():
         _add(work[d], col, model.cost[v, d])
         _add(node_ms[v], col, model.cost[v, d])
+    for v, d, k, ms in model.side:  # `planner.side`: what node v on d costs resource k
+        if (v, d) in x:
+            _add(work[k], x[v, d], ms)
     for v in range(n):
         b.row({x[v, d]: 1.0 for d in range(D) if (v, d) in x}, 1.0, 1.0)
     _add_fused(b, model, x, work, node_ms)

@@ -1,0 +1,45 @@
+"""Load a node on one device puts on another resource: a GPU decoder's progressive JPEGs are
+decoded on the host threads of the process that runs the Session (`ops.gpu_decode`: nvJPEG's
+batched decode takes baseline files only), so a GPU decode of a corpus with progressive files
+costs that host CPU too, and the GPU decodes only the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from nicoffload.graph import Pipeline
+from nicoffload.profiles import Profile
+from nicoffload.topology import Topology
+
+
+def gpu_progressive(
+    pipeline: Pipeline,
+    topology: Topology,
+    profiles: Mapping[str, Profile],
+    cost: np.ndarray,
+    pixels: Mapping[str, float],
+    encoded: Mapping[str, float],
+    share: Mapping[str, float],
+    host,
+) -> tuple[tuple[int, int, int, float], ...]:
+    """(node, GPU device, host device, core-ms per item) for each decoder with progressive
+    items on each GPU it may run on: the share times the host's decode of a progressive file
+    (its profile's entry at the full-size pixels). `cost` is scaled in place so that the GPU
+    prices only its own share. Nothing where no host CPU or no host profile of the decoder."""
+    if host is None or host.id not in profiles:
+        return ()
+    entry = profiles[host.id].kernel("decode_image")
+    h = topology.ids.index(host.id)
+    out = []
+    for v, node in enumerate(pipeline.nodes):
+        p = share.get(node.name, 0.0)
+        if node.op != "decode_image" or p <= 0 or entry is None:
+            continue
+        host_ms = p * max(0.0, entry.ms(pixels[node.name], encoded[node.name], 1.0))
+        for d, dev in enumerate(topology.devices):
+            if dev.kind == "gpu" and np.isfinite(cost[v, d]):
+                cost[v, d] *= 1.0 - p
+                out.append((v, d, h, host_ms))
+    return tuple(out)
