@@ -69,6 +69,17 @@ def host_pixels(images):
     return result.outputs["pixels"]
 
 
+def remove(cluster, node) -> None:
+    """Remove `node` and wait (30 s at most) until the cluster no longer lists it alive."""
+    import time
+
+    cluster.remove_node(node)
+    deadline = time.monotonic() + 30
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the removed node is still listed alive"
+        time.sleep(0.1)
+
+
 def stream_killing(prep, items, kill, host_pixels):
     """Stream `items` (their names i0..) on a Session of `prep`, calling `kill` once the first
     batch is back; every item must come back once, in order, ok and equal to the all-host run."""
@@ -206,7 +217,7 @@ def test_an_agent_already_running_on_a_node_is_attached_to_not_started(
                 np.testing.assert_array_equal(result.outputs["pixels"], host_pixels)
             assert agent.alive()  # attached, so left running
         finally:
-            cluster.remove_node(node)
+            remove(cluster, node)
 
 
 def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixels):
@@ -216,7 +227,7 @@ def test_a_node_removed_is_left_out_of_the_next_plan(cluster, images, host_pixel
     (added,) = set(with_it.topology.ids) - set(before.topology.ids)
     assert with_it.agent_nodes[added].id == extra.node_id
     old = plan_across(with_it, added)  # made while the node was there, and using it
-    cluster.remove_node(extra)
+    remove(cluster, extra)
     without = discover()
     assert without.topology.ids == before.topology.ids  # the others keep their ids
     with pytest.raises(UserError, match=added):
