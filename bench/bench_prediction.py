@@ -8,8 +8,8 @@ mean bytes and size, as `plan --input` and `run` price a folder) and compares ea
 kernels took per item (`run --json`'s `ms_per_item`, core-ms like the prediction), with the wall
 time of the same calls beside it. The load average before and after each run is recorded.
 
-    python bench/bench_prediction.py [--items 400] [--qualities 50,90,97] [--json]
-                                     [--record bench/RESULTS_prediction.md]
+    python bench/bench_prediction.py [--items 400] [--qualities 50,90,97] [--progressive 0,0.5]
+                                     [--json] [--record bench/RESULTS_prediction.md]
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ PIPELINE = "pipelines/resnet50.yaml"
 TARGET_PCT = 25.0
 
 
-def typical_jpegs(n: int, h: int, w: int, quality: int = 90) -> list[bytes]:
-    """Sample photos cropped to the pipeline's typical aspect and size (seeds unlike the profile's)."""
+def typical_jpegs(
+    n: int, h: int, w: int, quality: int = 90, progressive: float = 0.0
+) -> list[bytes]:
+    """Sample photos cropped to the pipeline's typical aspect and size (seeds unlike the
+    profile's); a `progressive` share of them (spread evenly) encoded as progressive JPEGs."""
     out = []
     for i in range(n):
         _, data = sample_image(1000 + i, seed=11)
@@ -53,7 +56,14 @@ def typical_jpegs(n: int, h: int, w: int, quality: int = 90) -> list[bytes]:
         )
         top, left = (img.height - h) // 2, (img.width - w) // 2
         arr = np.ascontiguousarray(np.asarray(img)[top : top + h, left : left + w])
-        out.append(simplejpeg.encode_jpeg(arr, quality=quality, colorsubsampling="420"))
+        if int((i + 1) * progressive) > int(i * progressive):  # simplejpeg: baseline only
+            buf = io.BytesIO()
+            Image.fromarray(arr).save(
+                buf, "JPEG", quality=quality, subsampling="4:2:0", progressive=True
+            )
+            out.append(buf.getvalue())
+        else:
+            out.append(simplejpeg.encode_jpeg(arr, quality=quality, colorsubsampling="420"))
     return out
 
 
@@ -79,18 +89,27 @@ def main() -> None:
     ap.add_argument(
         "--qualities", default="90", help="JPEG qualities of the corpora, e.g. 50,90,97"
     )
+    ap.add_argument(
+        "--progressive",
+        default="0",
+        help="shares of progressive JPEGs in the corpora, e.g. 0,0.5 (one corpus per quality and share)",
+    )
     args = ap.parse_args()
     if not measured_path("cpu").exists():
         subprocess.run([sys.executable, "-m", "nicoffload", "profile"], check=True)
     base = nicoffload.load_pipeline(PIPELINE)
     spec = base.inputs["image"]
     rows, runs = [], {}
+    shares = [float(p) for p in args.progressive.split(",")]
     for quality in (int(q) for q in args.qualities.split(",")):
-        images = typical_jpegs(args.items, spec.hint("height"), spec.hint("width"), quality)
-        typical = typical_of(base, [(str(i), {"image": b}) for i, b in enumerate(images)])
-        pipeline = with_typical(base, typical)
-        kb = typical["image"]["bytes"] / 1e3
-        corpus(pipeline, images, f"q{quality}, {kb:.0f} KB", rows, runs)
+        for share in shares:
+            h, w = spec.hint("height"), spec.hint("width")
+            images = typical_jpegs(args.items, h, w, quality, share)
+            typical = typical_of(base, [(str(i), {"image": b}) for i, b in enumerate(images)])
+            pipeline = with_typical(base, typical)
+            kb = typical["image"]["bytes"] / 1e3
+            prog = f", {share:.0%} progressive" if share else ""
+            corpus(pipeline, images, f"q{quality}, {kb:.0f} KB{prog}", rows, runs)
     emit(args, rows, runs)
 
 
@@ -149,7 +168,7 @@ def emit(args, rows: list, runs: dict) -> None:
             f"## Planner prediction vs measurement (`bench/bench_prediction.py`)\n\n"
             f"- date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC\n"
             f"- machine: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, Python {platform.python_version()}\n"
-            f"- command: `python bench/bench_prediction.py --items {args.items} --qualities {args.qualities} --record {args.record}`\n"
+            f"- command: `python bench/bench_prediction.py --items {args.items} --qualities {args.qualities} --progressive {args.progressive} --record {args.record}`\n"
             f"- items: {args.items} JPEGs of the pipeline's typical size per quality; profile: {measured_path('cpu')} "
             f"({prof.date}; {prof.method})\n\n"
         )
