@@ -56,7 +56,8 @@ class KernelCost:
     def ms(self, work: float, encoded: float = 0.0, progressive: float = 0.0) -> float:
         """ms per item; `progressive`: the share of the items that are progressive JPEGs."""
         base = self.a_ms + self.b_ms * work + self.c_ms * encoded
-        return base * (1.0 + progressive * ((self.progressive_x or 1.0) - 1.0))
+        x = 1.0 if self.progressive_x is None else self.progressive_x
+        return base * (1.0 + progressive * (x - 1.0))
 
 
 # The frame MAC the links' CPU figures were measured under (`transport.integrity`: GMAC since
@@ -180,6 +181,15 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def _ratio(doc: dict, key: str, where: str, source: str) -> float:
+    value = _number(doc, key, where, source)
+    if value <= 0:
+        raise ProfileError(
+            f"{where}: '{key}' must be a ratio > 0, got {value!r}", Mark(source, 1, 1)
+        )
+    return value
+
+
 def _number(doc: dict, key: str, where: str, source: str) -> float:
     value = doc.get(key)
     if (
@@ -238,7 +248,7 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             str(body.get("unit", "")),
             points,
             _number(body, "c_ms_per_byte", where, source) if "c_ms_per_byte" in body else 0.0,
-            _number(body, "progressive_x", where, source) if "progressive_x" in body else None,
+            _ratio(body, "progressive_x", where, source) if "progressive_x" in body else None,
         )
     links = {}
     for name, body in (doc.get("links") or {}).items():

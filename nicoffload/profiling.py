@@ -378,6 +378,8 @@ def measure_kernels(
                     (i for i in range(len(nodes)) if tuple(ops_seq[i : i + len(k.ops)]) == k.ops),
                     None,
                 )
+                if progressive and kind == "gpu":  # the GPU decoder hands those to host threads
+                    at = None
                 if at is not None and (only is None or set(k.ops) <= only):
                     chain = nodes[at : at + len(k.ops)]
                     # built as the runtime builds it (`runtime.stage.bind_steps`)

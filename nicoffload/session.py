@@ -296,7 +296,8 @@ def collect(
         for k, v in batch.outputs.items():
             if hasattr(v, "is_cuda"):  # a GPU stage's tensor (fresh per batch): kept for torch()
                 on_gpu.setdefault(k, []).append(v)
-                if k in whole and at + len(v) <= len(whole[k]):
+                fits = k in whole and whole[k].dtype == _numpy_dtype(v)  # never a silent cast
+                if fits and at + len(v) <= len(whole[k]):
                     staging.down(v, whole[k][at : at + len(v)])
                     parts[k].append(None)  # already in place
                     continue
@@ -324,6 +325,8 @@ def collect(
             outputs[k] = (
                 np.concatenate(chunks) if chunks else np.zeros((0, *specs[k].shape), specs[k].dtype)
             )
+        elif k in on_gpu:  # a GPU stage's tensors: one array, as they came
+            outputs[k] = np.concatenate(chunks)
         else:
             outputs[k] = [x for c in chunks for x in c]
     ok = np.concatenate(oks) if oks else np.zeros(0, bool)

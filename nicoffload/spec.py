@@ -130,6 +130,12 @@ def _parse_inputs(doc: MMap) -> dict[str, InputSpec]:
             typical = _expect(typical, MMap, f"input '{name}'.typical", body.value_marks["typical"])
             for key in typical:
                 if key == "progressive":  # the share of the items that are progressive JPEGs
+                    if kind != "bytes" or body.get("format") != "jpeg":
+                        raise SpecError(
+                            f"input '{name}'.typical.progressive is for JPEG inputs "
+                            "(kind: bytes, format: jpeg)",
+                            typical.key_marks[key],
+                        )
                     _share(typical, key, f"input '{name}'.typical")
                 else:
                     _positive(typical, key, int, f"input '{name}'.typical")

@@ -1,8 +1,9 @@
 """How firm a plan's choice is: by what factor one thing about the machine must change for the
 runner-up to beat the plan on its objective, everything else held (`plan --explain`).
 
-The things: the speed of each kind of device (every device of that kind, its kernels and its end
-of every transfer; the host CPU's serial time too) and the links' bandwidth. A factor above 1
+The things: the speed of each kind of device (every device of that kind, its kernels, its end
+of every transfer, what other nodes load it with; for the host CPU, the host process's serial
+time too) and the links' bandwidth. A factor above 1
 is faster, below 1 slower; none where no factor from 1/16 to 16 turns the order. It compares
 the two placements only: another placement might overtake the plan sooner. Pure functions of
 the cost model (`evaluate` on a rescaled copy), no search.
@@ -20,7 +21,8 @@ from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
 
 LIMIT = 16.0  # the factors tried: 1/LIMIT .. LIMIT
-STEPS = 40  # bisection steps on log(factor): a relative precision far below a percent
+GRID = 48  # grid steps per direction, 1 -> LIMIT: each about 6%
+STEPS = 30  # bisection steps on log(factor) within one grid step: far below a percent
 
 
 def scaled(model: CostModel, what: str, factor: float) -> CostModel:
@@ -42,16 +44,18 @@ def scaled(model: CostModel, what: str, factor: float) -> CostModel:
     load, fixed = model.route_load.copy(), model.route_fixed.copy()
     load[:, :, cols] /= factor  # its end of each transfer (CPU time per byte and per batch)
     fixed[:, :, cols] /= factor
+    side = tuple((v, d, k, ms / factor if k < D and on[k] else ms) for v, d, k, ms in model.side)
     changes: dict[str, Any] = {
         "cost": cost,
         "groups": groups,
         "route_load": load,
         "route_fixed": fixed,
+        "side": side,
     }
-    if model.serial is not None:
-        serial = model.serial.copy()
-        serial[:, cols] /= factor
-        changes["serial"] = serial
+    if model.serial is not None and what == "cpu":
+        # the host process's Python, on every column (a GPU stage's too: its host side), is
+        # the host CPU's; a faster GPU or DPU does not shorten it
+        changes["serial"] = model.serial / factor
     if model.base is not None:
         base = model.base.copy()
         base[cols] /= factor
@@ -73,12 +77,19 @@ def crossing(
     model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray, what: str
 ) -> float | None:
     """The factor nearest 1 (in log terms) at which `second` starts to beat `best` when
-    `what` changes alone; None where it does not within 1/LIMIT .. LIMIT."""
+    `what` changes alone; None where it does not within 1/LIMIT .. LIMIT. Each direction is
+    scanned on a grid (the runner-up may win only inside the range: its advantage need not
+    grow one way), then the first winning step is bisected."""
     found = []
-    for end in (LIMIT, 1.0 / LIMIT):
-        if not _wins(scaled(model, what, end), goal, best, second):
+    step = math.log(LIMIT) / GRID
+    for sign in (1.0, -1.0):
+        grid = (sign * step * (i + 1) for i in range(GRID))
+        hi = next(
+            (g for g in grid if _wins(scaled(model, what, math.exp(g)), goal, best, second)), None
+        )
+        if hi is None:
             continue
-        lo, hi = 0.0, math.log(end)  # best wins at lo, second at hi
+        lo = hi - sign * step  # the step before: the plan still wins there (at 1 by definition)
         for _ in range(STEPS):
             mid = (lo + hi) / 2
             if _wins(scaled(model, what, math.exp(mid)), goal, best, second):

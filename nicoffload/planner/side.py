@@ -27,7 +27,8 @@ def gpu_progressive(
     """(node, GPU device, host device, core-ms per item) for each decoder with progressive
     items on each GPU it may run on: the share times the host's decode of a progressive file
     (its profile's entry at the full-size pixels). `cost` is scaled in place so that the GPU
-    prices only its own share. Nothing where no host CPU or no host profile of the decoder."""
+    prices only its own share, at its baseline figure. Nothing where no host CPU or no host
+    profile of the decoder."""
     if host is None or host.id not in profiles:
         return ()
     entry = profiles[host.id].kernel("decode_image")
@@ -39,7 +40,11 @@ def gpu_progressive(
             continue
         host_ms = p * max(0.0, entry.ms(pixels[node.name], encoded[node.name], 1.0))
         for d, dev in enumerate(topology.devices):
-            if dev.kind == "gpu" and np.isfinite(cost[v, d]):
-                cost[v, d] *= 1.0 - p
+            gpu = profiles[dev.id].kernel("decode_image") if dev.id in profiles else None
+            if dev.kind == "gpu" and gpu is not None and np.isfinite(cost[v, d]):
+                # the GPU decodes only the baseline share (a GPU profile's own progressive_x,
+                # if any, prices nothing: those files never reach it)
+                own = max(0.0, gpu.ms(pixels[node.name], encoded[node.name], 0.0))
+                cost[v, d] = (1.0 - p) * own
                 out.append((v, d, h, host_ms))
     return tuple(out)

@@ -5,6 +5,7 @@ pipeline), and the planner prices the decoder at the mix."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -92,3 +93,55 @@ def test_a_profile_keeps_the_ratio() -> None:
     assert profile_from_json(doc).kernels["decode_image"].progressive_x == 2.87
     del doc["kernels"]["decode_image"]["progressive_x"]
     assert profile_from_json(doc).kernels["decode_image"].progressive_x is None
+
+
+def test_only_a_jpeg_input_may_declare_a_progressive_share(tmp_path: Path) -> None:
+    bert = (RESNET.parent / "bert.yaml").read_text()
+    assert "typical: {chars: 300}" in bert
+    text = bert.replace("typical: {chars: 300}", "typical: {chars: 300, progressive: 0.5}")
+    (tmp_path / "t.yaml").write_text(text)
+    with pytest.raises(SpecError, match="is for JPEG inputs"):
+        load_pipeline(tmp_path / "t.yaml")
+
+
+def test_a_ratio_of_zero_is_refused_not_read_as_absent() -> None:
+    from nicoffload.errors import ProfileError
+
+    doc = Profile("cpu", {"decode_image": KernelCost(0.1, 3e-6, "pixels", (), 0.0, 2.0)}).to_json()
+    doc["kernels"]["decode_image"]["progressive_x"] = 0
+    with pytest.raises(ProfileError, match="ratio > 0"):
+        profile_from_json(doc)
+
+
+def test_a_gpu_profiles_own_ratio_prices_nothing() -> None:
+    """The GPU decoder never sees the progressive files (host threads decode them): its
+    share of the time is its baseline figure, whatever ratio its profile carries."""
+    from nicoffload.planner.solve import resolve_profiles, resolve_topology
+
+    pipeline = load_pipeline(RESNET)
+    t = dict(pipeline.inputs["image"].hints)
+    mixed = with_typical(
+        pipeline,
+        {
+            "image": {
+                "height": t["height"],
+                "width": t["width"],
+                "bytes": 110_000,
+                "progressive": 0.25,
+            }
+        },
+    )
+    topo = resolve_topology(RESNET.parent / "topologies" / "bluefield3-h100.yaml")
+    profiles = resolve_profiles(topo)
+
+    def gpu_decode_ms(ratio) -> float:
+        gpu = profiles["gpu0"]
+        entry = dataclasses.replace(gpu.kernels["decode_image"], progressive_x=ratio)
+        profs = {
+            **profiles,
+            "gpu0": dataclasses.replace(gpu, kernels={**gpu.kernels, "decode_image": entry}),
+        }
+        model = build_model(mixed, topo, profs, Catalog.from_registry())
+        return float(model.cost[model.nodes.index("decode"), model.devices.index("gpu0")])
+
+    assert gpu_decode_ms(None) == gpu_decode_ms(10.0) > 0

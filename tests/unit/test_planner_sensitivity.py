@@ -67,3 +67,34 @@ def test_no_runner_up_no_sensitivity() -> None:
     model = with_kinds(random_model(3))
     goal = random_goal(model, 3)
     assert sensitivity(model, goal, np.zeros(model.n, np.intp), None) == []
+
+
+def test_a_runner_up_that_wins_only_inside_the_range_is_found() -> None:
+    """Seed 68's runner-up wins with the links at 0.3-0.65x their bandwidth, not at 1/16:
+    its advantage does not grow one way (the review's case)."""
+    from test_planner_properties import random_branches
+
+    from nicoffload.planner.milp import solve_milp
+
+    model = random_branches(68)
+    goal = random_goal(model, 68)
+    best = solve_milp(model, goal).placement
+    second = solve_milp(model, goal, exclude=best).placement
+    assert not _wins(scaled(model, "link", 1 / 16), goal, best, second)
+    f = crossing(model, goal, best, second, "link")
+    assert f is not None and 0.65 < f < 0.8
+    assert _wins(scaled(model, "link", f * 0.99), goal, best, second)
+
+
+def test_the_host_process_is_the_host_cpus_alone() -> None:
+    """A faster GPU does not shorten the Python that feeds it; a faster host CPU shortens
+    every stage's serial time, and what other nodes load it with."""
+    model = with_kinds(random_model(4))  # cpu0, gpu1, gpu2, dpu3
+    D = len(model.devices)
+    model = dataclasses.replace(model, serial=np.ones((2, D)), side=((0, 1, 0, 1.0),))
+    assert set(model.kinds) == {"cpu", "gpu", "dpu"}
+    for what in ("gpu", "dpu"):
+        np.testing.assert_array_equal(scaled(model, what, 4.0).serial, model.serial)
+    fast = scaled(model, "cpu", 2.0)
+    np.testing.assert_array_equal(fast.serial, model.serial / 2)
+    assert fast.side == ((0, 1, 0, 0.5),)  # node 0 on gpu1 loads cpu0: faster with it

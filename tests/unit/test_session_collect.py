@@ -77,3 +77,24 @@ def test_a_tensor_of_another_shape_than_its_rows_is_an_error_not_a_broadcast() -
 
     with pytest.raises(ValueError, match="shape"):
         Staging().down(torch.zeros(1, 4), np.empty((3, 4), np.float32))
+
+
+def test_a_tensor_of_another_dtype_than_its_spec_keeps_its_own() -> None:
+    """Never a silent cast into the spec's dtype: the rows come out as the stage made them."""
+    torch = pytest.importorskip("torch")
+    batches_ = (
+        Batch(
+            b.index,
+            b.start,
+            b.names,
+            {k: v.to(torch.float64) for k, v in b.outputs.items()},
+            b.ok,
+            b.failures,
+            b.latencies_s,
+        )
+        for b in torch_batches([4, 2])
+    )
+    result = collect(BERT, batches_, RunStats(), 6)
+    for k, a in result.outputs.items():
+        assert a.dtype == np.float64 and a.shape[0] == 6, k
+        np.testing.assert_array_equal(a.reshape(6, -1)[:, 0], np.arange(6))
