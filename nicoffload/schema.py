@@ -66,6 +66,8 @@ def pipeline_schema() -> dict[str, Any]:
                             "properties": {
                                 # the share of the items that are progressive JPEGs
                                 "progressive": {"type": "number", "minimum": 0, "maximum": 1},
+                                # and that a GPU decoder leaves to the host
+                                "host_decoded": {"type": "number", "minimum": 0, "maximum": 1},
                             },
                             "additionalProperties": pos_int,
                         },

@@ -25,18 +25,20 @@ LIMIT = 256
 PROGRESSIVE_SOF = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 
 
-def _jpeg_hw(data: bytes) -> tuple[int, int, int] | None:
-    """(height, width, 1 if progressive else 0) from a JPEG's header; None for anything else."""
+def _jpeg_hw(data: bytes) -> tuple[int, int, int, int] | None:
+    """(height, width, 1 if progressive else 0, 1 if the GPU decoder leaves it to the host
+    else 0) from a JPEG's header; None for anything else."""
     import simplejpeg
 
-    from nicoffload.ops.gpu_decode import jpeg_header
+    from nicoffload.ops.gpu_decode import jpeg_header, nvjpeg_takes
 
     try:
         h, w, _, _ = simplejpeg.decode_jpeg_header(data)
     except (ValueError, TypeError):  # not a JPEG, or a corrupt one: its failure is the run's
         return None
     head = jpeg_header(data)
-    return int(h), int(w), int(head is not None and head[3] in PROGRESSIVE_SOF)
+    progressive = head is not None and head[3] in PROGRESSIVE_SOF
+    return int(h), int(w), int(progressive), int(not nvjpeg_takes(head))
 
 
 def typical_of(
@@ -63,7 +65,7 @@ def typical_of(
             out[name] = {"chars": max(1, round(np.mean([s[0] for s in sizes])))}
             continue
         typical = {"bytes": max(1, round(np.mean([s[0] for s in sizes])))}
-        images = [s[1:] for s in sizes if len(s) == 4]
+        images = [s[1:] for s in sizes if len(s) == 5]
         if images:
             h = float(np.mean([s[0] for s in images]))
             pixels = float(np.mean([s[0] * s[1] for s in images]))
@@ -71,6 +73,9 @@ def typical_of(
             share = float(np.mean([s[2] for s in images]))
             if share > 0:  # the share of progressive JPEGs (their decode costs more)
                 typical["progressive"] = round(share, 3)
+            host = float(np.mean([s[3] for s in images]))
+            if host > 0:  # the share a GPU decoder leaves to the host (progressive included)
+                typical["host_decoded"] = round(host, 3)
         out[name] = typical
     return out
 
@@ -81,6 +86,8 @@ def describe(typical: Mapping[str, Mapping[str, int]]) -> str:
     for name, t in sorted(typical.items()):
         if "height" in t:
             prog = f", {t['progressive']:.0%} progressive" if t.get("progressive") else ""
+            if t.get("host_decoded", 0) > t.get("progressive", 0):
+                prog += f", {t['host_decoded']:.0%} not for the GPU's batched decode"
             parts.append(f"'{name}' {t['height']}x{t['width']}, {t['bytes'] / 1e3:.0f} KB{prog}")
         elif "chars" in t:
             parts.append(f"'{name}' {t['chars']} characters")

@@ -129,10 +129,12 @@ def _parse_inputs(doc: MMap) -> dict[str, InputSpec]:
         if "typical" in body:
             typical = _expect(typical, MMap, f"input '{name}'.typical", body.value_marks["typical"])
             for key in typical:
-                if key == "progressive":  # the share of the items that are progressive JPEGs
+                # the shares of the items that are progressive JPEGs, and that a GPU decoder
+                # leaves to the host (progressive, gray, CMYK, arithmetic-coded)
+                if key in ("progressive", "host_decoded"):
                     if kind != "bytes" or body.get("format") != "jpeg":
                         raise SpecError(
-                            f"input '{name}'.typical.progressive is for JPEG inputs "
+                            f"input '{name}'.typical.{key} is for JPEG inputs "
                             "(kind: bytes, format: jpeg)",
                             typical.key_marks[key],
                         )

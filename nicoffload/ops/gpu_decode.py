@@ -29,6 +29,13 @@ _SOF = {0xC0, 0xC1}
 _PROGRESSIVE = 0xC2
 
 
+def nvjpeg_takes(head: tuple[int, int, int, int] | None) -> bool:
+    """Whether the batched GPU decode takes a JPEG of this header (`jpeg_header`): baseline
+    (SOF0/1) with three components; the others go to host threads or the host's decoder (and
+    the planner prices them there: `sizes.typical_of`'s `host_decoded`)."""
+    return head is not None and head[3] in _SOF and head[2] == 3 and bool(head[0] and head[1])
+
+
 def jpeg_header(data: bytes) -> tuple[int, int, int, int] | None:
     """(height, width, components, SOF marker) of a JPEG, or None when it is not one."""
     n = len(data)
@@ -143,7 +150,7 @@ class _Decoder:
             if head is not None and head[0] * head[1] > self.max_pixels:
                 self.stats.failed += 1
                 _fail(failed, i, ItemError("too_large", f"{head[1]}x{head[0]} exceeds max_pixels"))
-            elif head is not None and head[3] in _SOF and head[2] == 3 and head[0] and head[1]:
+            elif nvjpeg_takes(head):
                 job.gpu_rows.append(i)
                 job.tensors.append(torch.frombuffer(data, dtype=torch.uint8))
             elif head is not None and head[3] == _PROGRESSIVE and head[2] in (1, 3):

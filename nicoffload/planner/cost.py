@@ -199,16 +199,20 @@ def encoded_bytes(pipeline: Pipeline) -> dict[str, float]:
     return out
 
 
-def progressive_share(pipeline: Pipeline) -> dict[str, float]:
+def progressive_share(pipeline: Pipeline, key: str = "progressive") -> dict[str, float]:
     """Per decoder (a node whose op has the `encoded` feature), the share of its items that are
     progressive JPEGs (its input's `typical.progressive`, from `sizes.typical_of` or the
-    pipeline file); 0 elsewhere."""
+    pipeline file), or with `key="host_decoded"` that a GPU decoder leaves to the host (at
+    least the progressive share); 0 elsewhere."""
     specs = effective_specs(pipeline)
     out = {}
     for n in pipeline.nodes:
         hints = dict(specs[n.name][0][0].hints) if specs[n.name][0] else {}
         decoder = n.opdef().encoded is not None
-        out[n.name] = float(hints.get("progressive", 0.0)) if decoder else 0.0
+        share = float(hints.get(key, 0.0))
+        if key != "progressive":
+            share = max(share, float(hints.get("progressive", 0.0)))
+        out[n.name] = share if decoder else 0.0
     return out
 
 
@@ -372,7 +376,14 @@ def build_model(
                 cost[v, d] = max(0.0, entry.ms(pixels, encoded[node.name], share[node.name]))
     pixels = {n: float(full.get(n, work_by_name[n])) for n in names}
     side = gpu_progressive(
-        pipeline, topology, profiles, cost, pixels, encoded, share, session_host(topology)
+        pipeline,
+        topology,
+        profiles,
+        cost,
+        pixels,
+        encoded,
+        (share, progressive_share(pipeline, "host_decoded")),
+        session_host(topology),
     )
     groups = _groups(pipeline, topology, profiles, catalog, cost, encoded, share)
     specs = effective_specs(pipeline)

@@ -145,3 +145,21 @@ def test_a_gpu_profiles_own_ratio_prices_nothing() -> None:
         return float(model.cost[model.nodes.index("decode"), model.devices.index("gpu0")])
 
     assert gpu_decode_ms(None) == gpu_decode_ms(10.0) > 0
+
+
+def test_the_share_a_gpu_decoder_leaves_to_the_host_is_read_from_the_headers() -> None:
+    """Gray and progressive files are not for the GPU's batched decode (`nvjpeg_takes`)."""
+    pipeline = load_pipeline(RESNET)
+
+    def gray(seed: int) -> bytes:
+        buf = io.BytesIO()
+        img = np.random.default_rng(seed).integers(0, 255, (60, 80), dtype=np.uint8)
+        Image.fromarray(img, "L").save(buf, "JPEG", quality=90)
+        return buf.getvalue()
+
+    items = [gray(0), jpeg(True, 1), jpeg(False, 2), jpeg(False, 3)]
+    typical = typical_of(pipeline, [(str(i), {"image": b}) for i, b in enumerate(items)])["image"]
+    assert typical["progressive"] == 0.25 and typical["host_decoded"] == 0.5
+    assert "50% not for the GPU's batched decode" in describe({"image": typical})
+    baseline = typical_of(pipeline, [(str(i), {"image": jpeg(False, i)}) for i in range(3)])
+    assert "host_decoded" not in baseline["image"]

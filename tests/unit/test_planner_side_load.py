@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from test_planner_properties import (
     SEEDS,
@@ -27,12 +28,14 @@ from nicoffload.planner.solve import resolve_profiles, resolve_topology
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _model(progressive: float) -> CostModel:
+def _model(progressive: float, host_decoded: float = 0.0) -> CostModel:
     pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
     t = dict(pipeline.inputs["image"].hints)
     typical = {"height": t["height"], "width": t["width"], "bytes": 110_000}
     if progressive:
         typical["progressive"] = progressive
+    if host_decoded:
+        typical["host_decoded"] = host_decoded
     pipeline = with_typical(pipeline, {"image": typical})
     topo = resolve_topology(ROOT / "pipelines" / "topologies" / "bluefield3-h100.yaml")
     return build_model(pipeline, topo, resolve_profiles(topo), Catalog.from_registry())
@@ -51,6 +54,22 @@ def test_a_gpu_decoders_progressive_share_is_host_cpu_and_the_rest_gpu_time() ->
     on_cpu = all_gpu.copy()
     on_cpu[0, v] = cpu  # a CPU decoder pays its progressive share on itself, no side load
     assert evaluate(mixed, on_cpu).work[0, gpu] < evaluate(mixed, all_gpu).work[0, gpu]
+
+
+def test_files_the_gpu_leaves_to_the_host_are_priced_there_at_their_kind() -> None:
+    """A quarter progressive and another quarter gray: half the decodes are the host's, the
+    progressive ones at its progressive ratio, the gray ones at its baseline figure."""
+    base, prog, both = _model(0.0), _model(0.25), _model(0.25, 0.5)
+    v, gpu = base.nodes.index("decode"), base.devices.index("gpu0")
+    assert both.cost[v, gpu] == base.cost[v, gpu] * 0.5
+    (progressive_ms,) = [ms for *_, ms in prog.side]
+    (all_ms,) = [ms for *_, ms in both.side]
+    host = resolve_profiles(
+        resolve_topology(ROOT / "pipelines" / "topologies" / "bluefield3-h100.yaml")
+    )["cpu"]
+    baseline_quarter = all_ms - progressive_ms
+    x = host.kernels["decode_image"].progressive_x or 1.0  # the shipped estimate has none
+    assert baseline_quarter > 0 and progressive_ms == pytest.approx(baseline_quarter * x)
 
 
 def with_side(model: CostModel, seed: int) -> CostModel:
