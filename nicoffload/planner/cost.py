@@ -25,7 +25,7 @@ from nicoffload.graph import Dim, Node, Pipeline, TensorSpec
 from nicoffload.ops import kernel_consumers
 from nicoffload.ops.decode import DCT_SCALING_KINDS, decoded_size
 from nicoffload.planner import fusion
-from nicoffload.planner.side import gpu_progressive
+from nicoffload.planner.side import decoder_shares, gpu_progressive
 from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
@@ -199,23 +199,6 @@ def encoded_bytes(pipeline: Pipeline) -> dict[str, float]:
     return out
 
 
-def progressive_share(pipeline: Pipeline, key: str = "progressive") -> dict[str, float]:
-    """Per decoder (a node whose op has the `encoded` feature), the share of its items that are
-    progressive JPEGs (its input's `typical.progressive`, from `sizes.typical_of` or the
-    pipeline file), or with `key="host_decoded"` that a GPU decoder leaves to the host (at
-    least the progressive share); 0 elsewhere."""
-    specs = effective_specs(pipeline)
-    out = {}
-    for n in pipeline.nodes:
-        hints = dict(specs[n.name][0][0].hints) if specs[n.name][0] else {}
-        decoder = n.opdef().encoded is not None
-        share = float(hints.get(key, 0.0))
-        if key != "progressive":
-            share = max(share, float(hints.get("progressive", 0.0)))
-        out[n.name] = share if decoder else 0.0
-    return out
-
-
 def full_size_work(pipeline: Pipeline) -> dict[str, float]:
     """The work of each decoder that DCT-scales (`dct_decoded_hw`) when it decodes at full
     size instead, as its kernels on kinds outside `ops.decode.DCT_SCALING_KINDS` do."""
@@ -358,7 +341,7 @@ def build_model(
     work = np.array([work_by_name[n] for n in names])
     full = full_size_work(pipeline)
     encoded = encoded_bytes(pipeline)
-    share = progressive_share(pipeline)
+    share, leaves = decoder_shares(pipeline)
     cost = np.full((len(names), D), np.inf)
     why: dict[tuple[int, int], str] = {}
     for v, node in enumerate(pipeline.nodes):
@@ -382,7 +365,7 @@ def build_model(
         cost,
         pixels,
         encoded,
-        (share, progressive_share(pipeline, "host_decoded")),
+        (share, leaves),
         session_host(topology),
     )
     groups = _groups(pipeline, topology, profiles, catalog, cost, encoded, share)

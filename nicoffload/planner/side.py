@@ -14,6 +14,19 @@ from nicoffload.profiles import Profile
 from nicoffload.topology import Topology
 
 
+def decoder_shares(pipeline: Pipeline) -> tuple[dict[str, float], dict[str, float]]:
+    """Per decoder (a node whose op has the `encoded` feature), from the typical hints of the
+    input it reads (`sizes.typical_of`, or the pipeline file): the share of its items that are
+    progressive JPEGs, and the share a GPU decoder leaves to the host (`host_decoded`, at least
+    the progressive one); 0 for other nodes."""
+    progressive, leaves = {}, {}
+    for n in pipeline.nodes:
+        hints = dict(n.in_specs[0].hints) if n.in_specs and n.opdef().encoded else {}
+        p = float(hints.get("progressive", 0.0))
+        progressive[n.name], leaves[n.name] = p, max(p, float(hints.get("host_decoded", 0.0)))
+    return progressive, leaves
+
+
 def gpu_progressive(
     pipeline: Pipeline,
     topology: Topology,

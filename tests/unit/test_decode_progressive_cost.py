@@ -55,21 +55,17 @@ def _decode_ms(pipeline, progressive_x: float | None) -> float:
     return float(model.cost[model.nodes.index("decode"), 0])
 
 
+def with_progressive(pipeline, share: float):
+    """The pipeline at its typical image size and 110 KB, a `share` of it progressive."""
+    t = dict(pipeline.inputs["image"].hints)
+    typical = {"height": t["height"], "width": t["width"], "bytes": 110_000, "progressive": share}
+    return with_typical(pipeline, {"image": typical})
+
+
 def test_the_decoder_is_priced_at_the_mix() -> None:
     pipeline = load_pipeline(RESNET)
     base = _decode_ms(pipeline, 3.0)
-    typical = dict(pipeline.inputs["image"].hints)
-    mixed = with_typical(
-        pipeline,
-        {
-            "image": {
-                "height": typical["height"],
-                "width": typical["width"],
-                "bytes": 110_000,
-                "progressive": 0.5,
-            }
-        },
-    )
+    mixed = with_progressive(pipeline, 0.5)
     assert _decode_ms(mixed, 3.0) == pytest.approx(base * (1 + 0.5 * 2.0))
     assert _decode_ms(mixed, None) == pytest.approx(base)  # not measured: priced as baseline
     assert _decode_ms(pipeline, 3.0) == pytest.approx(base)  # no progressive items
@@ -119,18 +115,7 @@ def test_a_gpu_profiles_own_ratio_prices_nothing() -> None:
     from nicoffload.planner.solve import resolve_profiles, resolve_topology
 
     pipeline = load_pipeline(RESNET)
-    t = dict(pipeline.inputs["image"].hints)
-    mixed = with_typical(
-        pipeline,
-        {
-            "image": {
-                "height": t["height"],
-                "width": t["width"],
-                "bytes": 110_000,
-                "progressive": 0.25,
-            }
-        },
-    )
+    mixed = with_progressive(pipeline, 0.25)
     topo = resolve_topology(RESNET.parent / "topologies" / "bluefield3-h100.yaml")
     profiles = resolve_profiles(topo)
 
