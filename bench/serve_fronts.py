@@ -23,6 +23,7 @@ import nicoffload
 from nicoffload.serve import loadgen as lg
 
 P99_MS = 20.0
+WORKERS = "nicoffload-work"  # the runtime's host worker threads, by kernel name (15 bytes)
 WANTED = 0.8
 
 
@@ -59,9 +60,9 @@ def sweep(serve: Serve, target: Target, args: Any) -> dict[str, Any]:
     runs = []
     for rate in args.rates:
         print(f"   {rate:g}/s ...", file=sys.stderr, flush=True)
-        (core0, agents0), each0 = serve.cpu(), serve.fronts_cpu_each()
+        (core0, agents0), each0, threads0 = serve.cpu(), serve.fronts_cpu_each(), serve.threads()
         r = load(target, args.open_s, rate=rate)
-        (core1, agents1), each1 = serve.cpu(), serve.fronts_cpu_each()
+        (core1, agents1), each1, threads1 = serve.cpu(), serve.fronts_cpu_each(), serve.threads()
         fronts0, fronts1 = sum(each0), sum(each1)
         # each front's CPU s over the run: how evenly the one listener spread the connections
         r["fronts_cpu_s_each"] = [round(b - a, 3) for a, b in zip(each0, each1, strict=True)]
@@ -69,6 +70,15 @@ def sweep(serve: Serve, target: Target, args: Any) -> dict[str, Any]:
         r["serve_cpu_ms_per_request"] = round((core1 - core0) / ok * 1e3, 4)
         r["fronts_cpu_ms_per_request"] = round((fronts1 - fronts0) / ok * 1e3, 4)
         r["agent_cpu_ms_per_request"] = round((agents1 - agents0) / ok * 1e3, 4)
+        by_thread = {
+            k: round((v - threads0.get(k, 0.0)) / ok * 1e3, 4) for k, v in threads1.items()
+        }
+        r["serve_cpu_ms_per_request_by_thread"] = {k: v for k, v in by_thread.items() if v}
+        # serve's process less its kernels (the runtime's host workers): what serving a
+        # request costs it, the fronts' readers, the batcher, the runtime's feeder and reader
+        r["serve_overhead_ms_per_request"] = round(
+            sum(v for k, v in by_thread.items() if not k.startswith(WORKERS)), 4
+        )
         r["host_cpu_ms_per_request"] = round(
             r["serve_cpu_ms_per_request"]
             + r["fronts_cpu_ms_per_request"]
@@ -164,7 +174,7 @@ def table(doc: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"{'fronts':>6} {'procs':>5} {'offered':>8} {'goodput':>8} {'p50':>7} {'p99':>7} "
-            f"{'host ms/req':>11} {'serve':>6} {'fronts':>6} {'client':>6} errors"
+            f"{'host ms/req':>11} {'serve':>6} {'s-over':>6} {'fronts':>6} {'client':>6} errors"
         )
         for f, fr in row["by_fronts"].items():
             if "error" in fr:
@@ -179,6 +189,7 @@ def table(doc: dict[str, Any]) -> list[str]:
                         f"{lat['p50'] or 0:>7.2f} {lat['p99'] or 0:>7.2f} "
                         f"{r['host_cpu_ms_per_request']:>11.3f} "
                         f"{r['serve_cpu_ms_per_request']:>6.3f} "
+                        f"{r.get('serve_overhead_ms_per_request', 0):>6.3f} "
                         f"{r['fronts_cpu_ms_per_request']:>6.3f} "
                         f"{r['client_cpu_ms_per_request']:>6.3f} {r['errors_by_status'] or ''}"
                     )

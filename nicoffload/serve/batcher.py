@@ -53,6 +53,16 @@ class Outcome:
     release: Callable[[], None] | None = None
 
 
+def refusal(exc: Exception) -> Outcome:
+    """The Outcome of a request `submit` refused: a full queue is 503 with `retry`, one
+    larger than the queue its status (413), an ended stream 503 not ready."""
+    if isinstance(exc, QueueFull):
+        return Outcome(503, error=str(exc), retry=True)
+    if isinstance(exc, RequestError):
+        return Outcome(exc.status, error=exc.message)
+    return Outcome(503, error=f"server not ready: {exc}")
+
+
 @dataclass
 class Pending:
     items: list[dict[str, Any]]
@@ -99,23 +109,43 @@ class Batcher:
     def submit(self, p: Pending) -> None:
         """Queue a request (QueueFull when its items would pass --max-queue; a request larger
         than --max-queue can never fit: 413)."""
-        n = len(p.items)
-        if n > self.max_queue:
-            raise RequestError(
-                f"{n} items in one request, more than --max-queue {self.max_queue}", 413
-            )
-        with self._lock:
-            if self.failure is not None or self.ended.is_set():
-                raise RuntimeError("the serving stream has ended")
-            if self.outstanding + n > self.max_queue:
-                raise QueueFull(
-                    f"server busy: {self.outstanding} items queued or running, at most "
-                    f"{self.max_queue} (--max-queue); retry later"
+        refused = self.submit_many([p])[0]
+        if refused is not None:
+            raise refused
+
+    def submit_many(self, ps: list[Pending]) -> list[Exception | None]:
+        """Queue requests in one step (one lock, one hand-off to the stream: a front's group),
+        each judged as if submitted alone, in order: None where it was queued, else what
+        `submit` would have raised (RequestError 413, QueueFull, RuntimeError)."""
+        refused: list[Exception | None] = [None] * len(ps)
+        queued = []
+        for k, p in enumerate(ps):
+            if len(p.items) > self.max_queue:
+                refused[k] = RequestError(
+                    f"{len(p.items)} items in one request, more than --max-queue {self.max_queue}",
+                    413,
                 )
-            self.outstanding += n
-            p.seq, p.left, p.rows = next(self._seq), n, [None] * n
-            self._pending[p.seq] = p
-        self._queue.put(p)
+        with self._lock:
+            for k, p in enumerate(ps):
+                if refused[k] is not None:
+                    continue
+                if self.failure is not None or self.ended.is_set():
+                    refused[k] = RuntimeError("the serving stream has ended")
+                    continue
+                n = len(p.items)
+                if self.outstanding + n > self.max_queue:
+                    refused[k] = QueueFull(
+                        f"server busy: {self.outstanding} items queued or running, at most "
+                        f"{self.max_queue} (--max-queue); retry later"
+                    )
+                    continue
+                self.outstanding += n
+                p.seq, p.left, p.rows = next(self._seq), n, [None] * n
+                self._pending[p.seq] = p
+                queued.append(p)
+        if queued:
+            self._queue.put(queued)
+        return refused
 
     def stop(self, timeout: float | None = None) -> None:
         """End the stream once the queued requests have gone in; wait for the thread."""
@@ -126,17 +156,17 @@ class Batcher:
     def _items(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """The stream's items: blocks for the next request; a request past its deadline is
         answered 504 and its remaining items are not run."""
-        while (p := self._queue.get()) is not _STOP:
-            for i, item in enumerate(p.items):
-                now = time.perf_counter()
-                if p.deadline is not None and now > p.deadline:
-                    self._expire(p, i, now)
-                    self._answered()
-                    break
-                p.handed = now
-                with self._lock:
-                    self.items_run += 1
-                yield f"{p.seq}/{i}", item
+        while (group := self._queue.get()) is not _STOP:
+            for p in group:
+                for i, item in enumerate(p.items):
+                    now = time.perf_counter()
+                    if p.deadline is not None and now > p.deadline:
+                        self._expire(p, i, now)
+                        self._answered()
+                        break
+                    p.handed = now
+                    self.items_run += 1  # this thread's alone (the stream's feeder)
+                    yield f"{p.seq}/{i}", item
 
     def _expire(self, p: Pending, i: int, now: float) -> None:
         skipped = len(p.items) - i
@@ -148,7 +178,7 @@ class Batcher:
             f"{skipped} of {len(p.items)} items were not run"
         )
         self._answer(p, Outcome(504, error=reason, timings=self._timings(p, now), decided=now))
-        self._settle(p, skipped)
+        self._settle_many([(p, skipped)])
 
     def _run(self) -> None:
         try:
@@ -214,18 +244,19 @@ class Batcher:
         pos = np.cumsum(batch.ok) - 1
         failed = {f.name: f for f in batch.failures}
         t_modelled = time.perf_counter()  # the rows copied out of the slot, the model run
-        touched: dict[int, tuple[Pending, int]] = {}
-        for row, name in enumerate(batch.names):
-            seq, i = (int(x) for x in name.split("/"))
-            with self._lock:
-                p = self._pending.get(seq)
+        keys = [name.split("/") for name in batch.names]
+        with self._lock:  # once a batch, not once a row
+            found = [self._pending.get(int(seq)) for seq, _ in keys]
+        times = {k: v.tolist() for k, v in batch.row_times.items()}
+        touched: dict[int, list[Any]] = {}  # seq -> [its Pending, its items here, last row]
+        for row, (name, (_, i), p) in enumerate(zip(batch.names, keys, found, strict=True)):
             if p is None:
                 continue
-            p.out, p.modelled = t_out, t_modelled
-            p.row = {k: float(v[row]) for k, v in batch.row_times.items()}
-            if seq not in touched:
-                p.batches += 1
-            touched[seq] = (p, touched.get(seq, (p, 0))[1] + 1)
+            t = touched.get(p.seq)
+            if t is None:
+                touched[p.seq] = [p, 1, row]
+            else:
+                t[1], t[2] = t[1] + 1, row
             if name in failed:
                 f = failed[name]
                 if p.failure is None:
@@ -234,21 +265,30 @@ class Batcher:
             elif model_error is not None:
                 p.failure = p.failure or (500, model_error)
             else:
-                p.rows[i] = (outs, int(pos[row]))
-        for p, n in touched.values():
-            self._settle(p, n)
+                p.rows[int(i)] = (outs, int(pos[row]))
+        for p, _, last in touched.values():
+            p.out, p.modelled = t_out, t_modelled
+            p.row = {k: float(v[last]) for k, v in times.items()}
+            p.batches += 1
+        self._settle_many([(p, n) for p, n, _ in touched.values()])
         self._answered()
 
-    def _settle(self, p: Pending, n: int) -> None:
-        """`n` of the request's items are out (or skipped); the last one answers it."""
+    def _settle_many(self, counts: list[tuple[Pending, int]]) -> None:
+        """`n` of each request's items are out (or skipped); the last one answers it."""
+        done = []
         with self._lock:
-            p.left -= n
-            self.outstanding -= n
-            last = p.left == 0
-            if last:
-                del self._pending[p.seq]
-        if not last or p.answered:
-            return
+            for p, n in counts:
+                p.left -= n
+                self.outstanding -= n
+                if p.left == 0:
+                    del self._pending[p.seq]
+                    done.append(p)
+        for p in done:
+            if not p.answered:
+                self._finish(p)
+
+    def _finish(self, p: Pending) -> None:
+        """A request whose items are all out: its Outcome, from its rows or its failure."""
         if p.failure is not None:
             now = time.perf_counter()
             status, error = p.failure

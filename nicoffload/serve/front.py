@@ -33,8 +33,9 @@ PR_SET_PDEATHSIG = 1
 
 class RemoteBatcher:
     """What `Server` asks of a Batcher (`submit`, `max_queue`, `ended`), answered by the
-    Session's process: a request goes there as a frame (its items in a free slot), its Outcome
-    comes back as one (`answer`), its outputs in the same slot until the response is encoded."""
+    Session's process: the requests submitted in one turn of the event loop go there as one
+    frame (a group; their items in free slots), their Outcomes come back in groups (`answer`),
+    each one's outputs in its slot until the response is encoded."""
 
     def __init__(self, writer: asyncio.StreamWriter, segments: dict[str, Any], max_queue: int):
         from nicoffload.transport.shm import Segment
@@ -48,6 +49,8 @@ class RemoteBatcher:
         self.ended = threading.Event()
         self._pending: dict[int, tuple[Pending, int | None]] = {}
         self._ids = itertools.count(1)
+        self._group: list[tuple] = []  # submitted this turn of the loop, sent at its end
+        self._loop = asyncio.get_running_loop()
 
     def _slot(self, seg: Any, i: int) -> Any:
         return seg.array[i * self.slot_bytes : (i + 1) * self.slot_bytes]
@@ -65,8 +68,16 @@ class RemoteBatcher:
         rid = next(self._ids)
         self._pending[rid] = (p, slot)
         payload = layout if layout is not None else p.items  # inline: counted over there
-        msg = ("req", rid, slot, layout is not None, payload, p.arrived, p.parsed, p.deadline)
-        self.writer.write(wire.frame(msg))
+        if not self._group:  # the first of this turn: every handler that runs in it joins
+            self._loop.call_soon(self._send)
+        self._group.append(
+            (rid, slot, layout is not None, payload, p.arrived, p.parsed, p.deadline)
+        )
+
+    def _send(self) -> None:
+        group, self._group = self._group, []
+        if group and not self.ended.is_set():
+            self.writer.write(wire.frame(("reqs", group)))
 
     def _giver(self, slot: int) -> Any:
         given = False
@@ -80,23 +91,25 @@ class RemoteBatcher:
         return release
 
     def answer(self, msg: tuple) -> None:
-        _, rid, status, error, timings, retry, decided, where, outs = msg
-        got = self._pending.pop(rid, None)
-        if got is None:  # answered already (`end`)
-            return
-        p, slot = got
-        release = None
-        if where == "slot":
-            assert slot is not None
-            outs = wire.get_outputs(self._slot(self._resp, slot), outs)
-            release = self._giver(slot)
-        elif slot is not None:
-            self.free.append(slot)
-        p.on_done(Outcome(status, outs, error, timings, retry, decided, release))
+        """A group of answers (`anss`): each request's Outcome to its handler."""
+        for rid, status, error, timings, retry, decided, where, outs in msg[1]:
+            got = self._pending.pop(rid, None)
+            if got is None:  # answered already (`end`)
+                continue
+            p, slot = got
+            release = None
+            if where == "slot":
+                assert slot is not None
+                outs = wire.get_outputs(self._slot(self._resp, slot), outs)
+                release = self._giver(slot)
+            elif slot is not None:
+                self.free.append(slot)
+            p.on_done(Outcome(status, outs, error, timings, retry, decided, release))
 
     def end(self, why: str) -> None:
         """The Session's process is gone: every request waiting is answered 503."""
         self.ended.set()
+        self._group = []
         for rid in list(self._pending):
             p, _ = self._pending.pop(rid)
             p.on_done(Outcome(503, error=f"server not ready: {why}"))
@@ -112,7 +125,8 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-async def _frames(reader: asyncio.StreamReader) -> Any:
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next message from the Session's process (IncompleteReadError at its end)."""
     head = await reader.readexactly(wire.HEADER.size)
     (n,) = wire.HEADER.unpack(head)
     return pickle.loads(await reader.readexactly(n))
@@ -147,10 +161,10 @@ async def run(control: socket.socket, cfg: dict[str, Any]) -> int:
     async def messages() -> str:
         while True:
             try:
-                msg = await _frames(reader)
+                msg = await read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return "the Session's process is gone"
-            if msg[0] == "ans":
+            if msg[0] == "anss":
                 batcher.answer(msg)
             elif msg[0] == "drain":
                 drain.set()

@@ -1,9 +1,10 @@
 """`serve --fronts N`: N front processes (`front.py`) parse and answer the requests, the Session
 stays in this one. One listening socket, made here, is shared by every front (each accepts on
 it; a connection not yet accepted survives a front's death); gRPC's port, which grpcio binds by
-address, is shared with SO_REUSEPORT. A front's requests come in on its control socket, their
-items in its request slots (`frontwire`), one reader thread per front feeding the Batcher; each
-answer goes back from the batcher's thread, its outputs in the response slot.
+address, is shared with SO_REUSEPORT. A front's requests come in on its control socket, in
+groups, their items in its request slots, one reader thread per front feeding the Batcher
+(`frontlink`); the answers go back from the batcher's thread, a round's in one frame, their
+outputs in the response slots.
 
 A front that dies is started again from the main thread (its PDEATHSIG is tied to the thread
 that started it); the requests it had in flight are answered to nobody, counted
@@ -13,7 +14,7 @@ MAX_RESTARTS restarts: serve stops, exit 1.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -22,14 +23,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from nicoffload.serve import frontwire as wire
-from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull
-from nicoffload.serve.kserve import RequestError
+from nicoffload.serve.batcher import Batcher
+from nicoffload.serve.frontlink import FrontLink, LinkCounts
 
 log = logging.getLogger("nicoffload.serve")
 MAX_RESTARTS = 20
@@ -56,17 +55,12 @@ def listener(host: str, port: int, reuse_port: bool = False, listen: bool = True
 
 @dataclass
 class Front:
-    """One front process and its end of the control socket."""
+    """One front process and the Session's end of its control socket."""
 
     index: int
     proc: subprocess.Popen
-    sock: socket.socket
+    link: FrontLink
     pid: int = 0
-    dead: bool = False
-    drained: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    in_flight: set[int] = field(default_factory=set)
-    unsent: list[bytes] = field(default_factory=list)  # answers gathered, for one write
 
 
 class Fronts:
@@ -94,9 +88,7 @@ class Fronts:
         self.failure: str | None = None
         self.restarts = 0
         self.lost_in_flight = 0  # requests a dead front had forwarded: their answers dropped
-        self.requests = 0
-        self.inline_requests = 0  # items that did not fit a slot (or found none): in the frame
-        self.inline_responses = 0
+        self.links: list[FrontLink] = []  # every front's, the dead ones' too: their counts
         self._count = threading.Lock()
         batcher.after_answers.append(self.flush)
         self.on_exit: Callable[[int], None] = lambda i: None  # set by serve: restart or stop
@@ -171,7 +163,6 @@ class Fronts:
         return proc, mine
 
     def _ready(self, i: int, proc: subprocess.Popen, mine: socket.socket) -> None:
-        front = Front(i, proc, mine)
         mine.settimeout(READY_S)
         try:
             hello = wire.recv(mine)
@@ -183,34 +174,20 @@ class Fronts:
             mine.close()
             raise RuntimeError(f"front {i} did not start (exit {proc.returncode})")
         mine.settimeout(None)
-        front.pid = hello[1]
+        req, resp = self.segments[i]
+        front = Front(i, proc, FrontLink(self.batcher, mine, req, resp, self.slot_bytes), hello[1])
+        self.links.append(front.link)
         self.fronts[i] = front
         threading.Thread(
             target=self._read, args=(front,), name=f"nicoffload-front{i}", daemon=True
         ).start()
 
     def _read(self, f: Front) -> None:
-        stream = f.sock.makefile("rb", buffering=1 << 20)
-        while True:
-            try:
-                msg = wire.read(stream)
-            except (OSError, ValueError, EOFError, ImportError, ConnectionError):
-                msg = None
-            if msg is None:
-                break
-            if msg[0] == "req":
-                self._request(f, msg)
-            elif msg[0] == "drained":
-                f.drained = True
-        with f.lock:
-            f.dead = True
-            lost = len(f.in_flight)
-        stream.close()
-        f.sock.close()
+        lost = f.link.serve()
         code = f.proc.wait()
-        if self.closing and f.drained:
+        if self.closing and f.link.drained:
             return
-        with self._count:
+        with self._count:  # fronts killed together end on their readers side by side
             self.lost_in_flight += lost
         log.warning(
             "front %d (pid %d) ended (exit %s) with %d requests in flight: their answers are "
@@ -223,78 +200,11 @@ class Fronts:
         if not self.closing:
             self.on_exit(f.index)
 
-    def _request(self, f: Front, msg: tuple) -> None:
-        forwarded = time.perf_counter()
-        _, rid, slot, in_slot, payload, arrived, parsed, deadline = msg
-        items = wire.get_items(self._slot(f, 0, slot), payload) if in_slot else payload
-        with self._count:
-            self.requests += 1
-            self.inline_requests += not in_slot
-        with f.lock:
-            f.in_flight.add(rid)
-
-        def on_done(outcome: Outcome) -> None:
-            self._reply(f, rid, slot, outcome)
-
-        p = Pending(items, on_done, arrived, parsed, deadline, forwarded=forwarded)
-        try:
-            self.batcher.submit(p)
-            return
-        except QueueFull as exc:
-            self._reply(f, rid, slot, Outcome(503, error=str(exc), retry=True))
-        except RequestError as exc:
-            self._reply(f, rid, slot, Outcome(exc.status, error=exc.message))
-        except RuntimeError as exc:
-            self._reply(f, rid, slot, Outcome(503, error=f"server not ready: {exc}"))
-        self._flush(f)  # a refusal goes at once
-
-    def _slot(self, f: Front, which: int, slot: int) -> np.ndarray:
-        seg = self.segments[f.index][which]
-        return seg.array[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
-
-    def _reply(self, f: Front, rid: int, slot: int | None, outcome: Outcome) -> None:
-        with f.lock:
-            f.in_flight.discard(rid)
-            if f.dead:
-                return
-            where, outs = "none", None
-            if outcome.outputs is not None:
-                layout = None
-                if slot is not None:
-                    layout = wire.put_outputs(self._slot(f, 1, slot), outcome.outputs)
-                if layout is None:
-                    where = "inline"
-                    outs = {k: np.asarray(v) for k, v in outcome.outputs.items()}
-                    with self._count:
-                        self.inline_responses += 1
-                else:
-                    where, outs = "slot", layout
-            msg = (
-                "ans",
-                rid,
-                outcome.status,
-                outcome.error,
-                outcome.timings,
-                outcome.retry,
-                outcome.decided,
-                where,
-                outs,
-            )
-            f.unsent.append(wire.frame(msg))  # sent by `flush`, after the batcher's round
-
-    def _flush(self, f: Front) -> None:
-        with f.lock:
-            data, f.unsent = b"".join(f.unsent), []
-            if data and not f.dead:
-                # it may have died meanwhile: its reader counts what it had in flight
-                with contextlib.suppress(OSError):
-                    f.sock.sendall(data)
-
     def flush(self) -> None:
-        """Each front's gathered answers in one write (the batcher's `after_answers`)."""
+        """Each front's gathered answers in one frame (the batcher's `after_answers`)."""
         for f in self.fronts:
-            if f is not None and f.unsent:
-                self._flush(f)
+            if f is not None and f.link.unsent:
+                f.link.flush()
 
     def restart(self, i: int) -> None:
         """Front i again (main thread); past MAX_RESTARTS, `failure` says why serve stops."""
@@ -314,10 +224,9 @@ class Fronts:
     def drain(self, timeout_s: float) -> None:
         """Every front drains (answers what it has, refuses the rest) and exits; blocks."""
         self.closing = True
-        live = [f for f in self.fronts if f is not None and not f.dead]
+        live = [f for f in self.fronts if f is not None and not f.link.dead]
         for f in live:
-            with f.lock, contextlib.suppress(OSError):
-                wire.send(f.sock, ("drain",))
+            f.link.send(("drain",))
         end = time.monotonic() + timeout_s
         for f in live:
             try:
@@ -328,13 +237,10 @@ class Fronts:
                 f.proc.wait()
 
     def stats(self) -> dict[str, int]:
-        return {
-            "requests": self.requests,
-            "inline_requests": self.inline_requests,
-            "inline_responses": self.inline_responses,
-            "restarts": self.restarts,
-            "lost_in_flight": self.lost_in_flight,
-        }
+        counts = [dataclasses.asdict(link.counts) for link in self.links]
+        names = [f.name for f in dataclasses.fields(LinkCounts)]
+        total = {k: sum(c[k] for c in counts) for k in names}
+        return total | {"restarts": self.restarts, "lost_in_flight": self.lost_in_flight}
 
     def close(self) -> None:
         self.closing = True

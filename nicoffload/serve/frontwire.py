@@ -8,6 +8,12 @@ is an error at start, not a SIGBUS later): a request's items go into its request
 outputs come back in the response slot of the same index, and the slot is free again once the
 front has encoded the response. What does not fit a slot (or finds none free) travels in the
 frame itself, and is counted (`inline`).
+
+The messages: the front's `("ready", pid)` and `("drained", pid)`; `("reqs", [request, ..])`,
+the requests a front had ready in one turn of its event loop, each `(id, slot, in slot,
+layout or items, arrived, parsed, deadline)`; `("anss", [answer, ..])`, the answers decided
+in one round of the batcher, each `(id, status, error, timings, retry, decided, where,
+outputs' layout or arrays)`; and the Session's `("drain",)`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from aiohttp import web
 
 from nicoffload.graph import Pipeline
 from nicoffload.serve import kserve, kserve_out
-from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull
+from nicoffload.serve.batcher import Batcher, Outcome, Pending, QueueFull, refusal
 from nicoffload.serve.clock import clock_id, now_ns
 from nicoffload.serve.kserve import RequestError
 
@@ -194,7 +195,7 @@ class Server:
         except RequestError as exc:
             return req, Outcome(exc.status, error=exc.message)
         deadline = None if timeout_us is None else arrived + timeout_us / 1e6
-        loop = asyncio.get_running_loop()
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
         done: asyncio.Future[Outcome] = loop.create_future()
 
         def settle(outcome: Outcome) -> None:
@@ -203,18 +204,17 @@ class Server:
             elif outcome.release is not None:  # its handler is gone (cancelled): nobody will
                 outcome.release()
 
-        def on_done(outcome: Outcome) -> None:  # on the batcher's thread
-            loop.call_soon_threadsafe(settle, outcome)
+        def on_done(outcome: Outcome) -> None:
+            if threading.get_ident() == loop_thread:  # a front's answer, read on its loop
+                settle(outcome)
+            else:  # the batcher's thread (serve without --fronts)
+                loop.call_soon_threadsafe(settle, outcome)
 
         pending = Pending(items, on_done, arrived, time.perf_counter(), deadline)
         try:
             self.batcher.submit(pending)
-        except QueueFull as exc:
-            return req, Outcome(503, error=str(exc), retry=True)
-        except RequestError as exc:
-            return req, Outcome(exc.status, error=exc.message)
-        except RuntimeError as exc:
-            return req, Outcome(503, error=f"server not ready: {exc}")
+        except (QueueFull, RequestError, RuntimeError) as exc:
+            return req, refusal(exc)
         return req, await done
 
     async def infer(self, request: web.Request) -> web.StreamResponse:

@@ -46,7 +46,8 @@ def test_slots_fit_two_items_outputs_in_64_kib_pages():
 def test_frames_round_trip_and_the_end_is_none():
     a, b = socket.socketpair()
     with a, b:
-        wire.send(a, ("req", 1, None, False, [{"image": b"x" * 100_000}], 1.0, 2.0, None))
-        assert wire.recv(b)[4][0]["image"] == b"x" * 100_000
+        group = [(1, None, False, [{"image": b"x" * 100_000}], 1.0, 2.0, None)]
+        wire.send(a, ("reqs", group))
+        assert wire.recv(b)[1][0][3][0]["image"] == b"x" * 100_000
         a.close()
         assert wire.recv(b) is None
