@@ -321,11 +321,7 @@ class FlowProblem:
         c = np.zeros(self.nv)
         if objective is not None:
             c[{"T": self.T, "H": self.H}[objective]] = 1.0
-        ub = self.ub.copy()
-        ub[self.T], ub[self.H] = t_cap * self.scale, h_cap * self.scale
-        slack = 1 + 4 * REL_TOL  # more than HiGHS's row tolerance (see scale)
-        ub[(self.peak > t_cap * slack + 1e-12) | (self.host_work > h_cap * slack + 1e-12)] = 0
-        lb = np.zeros(self.nv)
+        lb, ub, _ = self.bounds(t_cap, h_cap)
         if fix is not None:
             lb[fix[0]] = ub[fix[0]] = fix[1]
         options = {"mip_rel_gap": 1e-9, "time_limit": max(time_limit, 0.005), "presolve": presolve}
@@ -351,7 +347,29 @@ class FlowProblem:
             return Outcome(
                 "relaxed", None, float(res.fun) / self.scale, float(res.fun) / self.scale
             )
-        x = res.x.copy()
+        o = self.outcome(res.x, objective)
+        o.stopped = stopped
+        if objective is None:
+            o.bound = bound
+        elif res.status == 0:
+            o.status, o.bound = "optimal", o.value
+        else:
+            o.status, o.bound = "feasible", bound
+        return o
+
+    def bounds(self, t_cap: float, h_cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lower, upper, integrality) of the columns under the caps: an arc whose one copy
+        alone would pass a cap is fixed at 0 (exact, not a presolve)."""
+        ub = self.ub.copy()
+        ub[self.T], ub[self.H] = t_cap * self.scale, h_cap * self.scale
+        slack = 1 + 4 * REL_TOL  # more than HiGHS's row tolerance (see scale)
+        ub[(self.peak > t_cap * slack + 1e-12) | (self.host_work > h_cap * slack + 1e-12)] = 0
+        return np.zeros(self.nv), ub, self.integer
+
+    def outcome(self, x: np.ndarray, objective: str | None) -> Outcome:
+        """The solution `x` (its flows rounded) as an Outcome: its paths, T and H, the value
+        of `objective`; status "found" and no bound (the caller knows what was proven)."""
+        x = x.copy()
         x[: self.n_flow] = np.rint(x[: self.n_flow])
         lc, lr, lv = self.loads
         work = np.zeros(len(self.model.resources))
@@ -360,13 +378,7 @@ class FlowProblem:
         t = float(work.max())
         h = float((work[:D] * self.model.divisor[:D])[self.model.host].sum())
         value = {"T": t, "H": h, None: 0.0}[objective]
-        optimal = res.status == 0
-        if objective is None:
-            return Outcome("found", self.paths(x), value, bound, t, h, stopped)
-        if optimal:
-            bound = value
-        status = "optimal" if optimal else "feasible"
-        return Outcome(status, self.paths(x), value, bound, t, h, stopped)
+        return Outcome("found", self.paths(x), value, -np.inf, t, h)
 
     def paths(self, x: np.ndarray) -> list[np.ndarray]:
         """Split each class's integer flow into one source-to-sink path per copy."""

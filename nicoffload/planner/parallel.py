@@ -32,6 +32,7 @@ import numpy as np
 from nicoffload.planner.branches import Bucketed, Chains, bucket_key, bucketed, suffixes
 from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal
 from nicoffload.planner.flow import FlowProblem, Outcome, placement, row_scale
+from nicoffload.planner.latency_flow import latency_bound
 from nicoffload.planner.search import pack
 
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
@@ -194,6 +195,11 @@ class _Search:
         ):
             return o
         return Outcome("found", got.paths, 0.0, -np.inf, got.t, got.h)
+
+    def latency_bound(self, t_cap: float, h_cap: float) -> float:
+        """A proven lower bound of the least latency under the caps (latency_flow's LP)."""
+        self.solves += 1
+        return latency_bound(self.problem(np.inf), t_cap, h_cap, self.left())
 
     def latency(self, paths: list[np.ndarray]) -> float:
         return max(float(ch.latency(p).max()) for ch, p in zip(self.classes, paths, strict=True))
@@ -378,9 +384,12 @@ def _min_latency(
     if start is not None and start.paths is not None:
         best, best_l = start, s.latency(start.paths)
     lo = 0  # candidates under lo are refuted (if presolve is right)
-    sure = 0  # candidates under sure are refuted by a re-checked refutation
+    sure = 0  # candidates under sure are refuted by a re-checked refutation (or the LP)
+    bound = s.latency_bound(t_cap, h_cap) if len(cands) else -np.inf
+    if np.isfinite(bound):  # the LP's bound is a proof: nothing under it needs refuting
+        lo = sure = int(np.searchsorted(cands, bound * (1 - REL_TOL) - 1e-12, side="left"))
     hard: set[int] = set()  # candidates a quick try could not refute
-    mid = 0  # the least a class needs is tried first: without a load cap it is the answer
+    mid = lo  # the least not refuted is tried first: without a load cap it is the answer
     crept = False  # a long search refuted a candidate no quick try could: bisect with them
     recheck = True  # whether the early re-check below is worth its time here
     while s.left() > 0:
