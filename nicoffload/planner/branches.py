@@ -128,14 +128,17 @@ def _signature(model: CostModel, comp: tuple[int, ...], refs_of: dict, inputs_of
 
 def chain_classes(model: CostModel) -> list[Chains] | None:
     """The DAG as classes of identical chains, or None when some component is not a chain."""
-    refs_of: dict[int, list] = defaultdict(list)
-    inputs_of: dict[int, list] = defaultdict(list)
-    for r in model.refs:
-        if r.src >= 0:
-            refs_of[r.src].append(r)
-        else:
-            for c in r.consumers:
-                inputs_of[c].append(r)
+    members = class_members(model)
+    if members is None:
+        return None
+    refs_of, inputs_of = _tensors(model)
+    return [_graph(model, m, refs_of, inputs_of[m[0][0]]) for m in members]
+
+
+def class_members(model: CostModel) -> list[tuple[tuple[int, ...], ...]] | None:
+    """The node indices of each copy of each class of `chain_classes` (in its order), without
+    building their state graphs; None when some component is not a chain."""
+    refs_of, inputs_of = _tensors(model)
     by_sig: dict[tuple, list[tuple[int, ...]]] = defaultdict(list)
     at: dict[int, int] = {}
     for comp in components(model):
@@ -146,7 +149,20 @@ def chain_classes(model: CostModel) -> list[Chains] | None:
     for g in model.groups:  # a fused group must be a run of its chain (the runtime's is)
         if [at[v] - at[g.nodes[0]] for v in g.nodes] != list(range(len(g.nodes))):
             return None
-    return [_graph(model, tuple(m), refs_of, inputs_of[m[0][0]]) for m in by_sig.values()]
+    return [tuple(m) for m in by_sig.values()]
+
+
+def _tensors(model: CostModel) -> tuple[dict[int, list], dict[int, list]]:
+    """Per node, the tensors it produces, and the pipeline inputs it reads."""
+    refs_of: dict[int, list] = defaultdict(list)
+    inputs_of: dict[int, list] = defaultdict(list)
+    for r in model.refs:
+        if r.src >= 0:
+            refs_of[r.src].append(r)
+        else:
+            for c in r.consumers:
+                inputs_of[c].append(r)
+    return refs_of, inputs_of
 
 
 def _graph(
@@ -174,6 +190,10 @@ def _graph(
 
     tail, head, pos, dev, loads, times, mems = [], [], [], [], [], [], []
     exit_ = np.full(sink + 1, -np.inf)
+    # each tensor's (D, D, R) loads, once: `ref_load` builds the array anew at every call
+    ref_loads = {
+        id(r): model.ref_load(r) for r in [*inputs, *(r for v in comp for r in refs_of[v])]
+    }
 
     def arc(t: int, i: int, d: int, p: int, load: np.ndarray, ms: float) -> None:
         """An arc from state t into position i on d (the sink: i == k, d == -1), the pending
@@ -198,7 +218,7 @@ def _graph(
         ms = 0.0
         for r in inputs:
             if d != model.ingress:
-                load += model.ref_load(r)[model.ingress, d]
+                load += ref_loads[id(r)][model.ingress, d]
             ms = max(ms, model.ref_time(r, model.ingress, d))
         arc(0, 0, d, 0, load, ms)
     for i, v in enumerate(comp):
@@ -219,7 +239,7 @@ def _graph(
                         dests.add(d)
                         ms = max(ms, model.ref_time(r, s, d))
                     for e in dests - {s}:
-                        load += model.ref_load(r)[s, e]
+                        load += ref_loads[id(r)][s, e]
                 p = i + 1 - q
                 if d != s and q:  # the run on s ends at i
                     load[s] += settled(p, i, s)

@@ -394,26 +394,29 @@ def _solve_branches(
     exclude_optimal: bool = False,
 ) -> MilpResult | None:
     """Parallel chains as branch classes, or None when the DAG is not made of chains."""
-    from nicoffload.planner.branches import chain_classes
+    from nicoffload.planner.branches import chain_classes, class_members
     from nicoffload.planner.parallel import solve_parallel
 
     masked = replace(model, cost=np.where(allowed, model.cost, np.inf))
-    classes = chain_classes(masked)
-    if classes is None:
+    members = class_members(masked)
+    if members is None:
         return None
     differ = None
     if exclude is not None:
-        for ch in classes:  # two copies placed differently: swapped, they tie with `exclude`
-            rows = exclude[np.array(ch.members)]
+        for copies in members:  # two copies placed differently: swapped, they tie with `exclude`
+            rows = exclude[np.array(copies)]
             other = np.flatnonzero(np.any(rows != rows[0], axis=1))
             if len(other):
                 swapped = exclude.copy()
-                a, b = list(ch.members[0]), list(ch.members[other[0]])
+                a, b = list(copies[0]), list(copies[other[0]])
                 swapped[a], swapped[b] = exclude[b], exclude[a]
                 return MilpResult(swapped, "optimal", 0.0, 0)
         tie = _tie(model, goal, allowed, exclude, exclude_optimal)  # after the swap: cheaper
         if tie is not None:
             return tie
+    classes = chain_classes(masked)
+    assert classes is not None
+    if exclude is not None:
         try:
             differ = [ch.path_of(exclude[list(ch.members[0])]) for ch in classes]
         except StopIteration:  # `exclude` is not a placement these classes can take
