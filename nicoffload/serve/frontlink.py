@@ -87,7 +87,8 @@ class FrontLink:
             items = wire.get_items(self._slot(0, slot), payload) if in_slot else payload
             inline += not in_slot
             on_done = functools.partial(self._reply, rid, slot)
-            ps.append(Pending(items, on_done, arrived, parsed, deadline, forwarded=forwarded))
+            p = Pending(items, on_done, arrived, parsed, deadline, forwarded, copies_at_once=True)
+            ps.append(p)
         with self.lock:
             self.in_flight.update(rid for rid, *_ in group)
             self.counts.requests += len(group)
@@ -110,9 +111,9 @@ class FrontLink:
                 layout = None
                 if slot is not None:
                     layout = wire.put_outputs(self._slot(1, slot), outcome.outputs)
-                if layout is None:
+                if layout is None:  # copied: they may be views into the runtime's batch
                     where = "inline"
-                    outs = {k: np.asarray(v) for k, v in outcome.outputs.items()}
+                    outs = {k: np.array(v) for k, v in outcome.outputs.items()}
                     self.counts.inline_responses += 1
                 else:
                     where, outs = "slot", layout

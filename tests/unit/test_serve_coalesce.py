@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import nicoffload
@@ -37,8 +38,11 @@ SLOT_BYTES = wire.slot_bytes_for(3 * 224 * 224 * 2)
 @pytest.fixture(scope="module")
 def prep(tmp_path_factory):
     folder = tmp_path_factory.mktemp("coalesce")
+    text = (ROOT / "pipelines" / "resnet50.yaml").read_text()
+    # batches of 2: a group of 4 spans 2 of them, each reusing the runtime's slot
+    (folder / "p.yaml").write_text(text.replace("batch: {max_size: 64", "batch: {max_size: 2"))
     (folder / "cpu.yaml").write_text(CPU_ONLY)
-    return prepare(ROOT / "pipelines" / "resnet50.yaml", None, load_topology(folder / "cpu.yaml"))
+    return prepare(folder / "p.yaml", None, load_topology(folder / "cpu.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +88,17 @@ def linked(prep, max_queue: int):
         resp.close()
 
 
-def ask_together(front_sock: socket.socket, segments: dict, max_queue: int, images: list[bytes]):
-    """A front submitting one request per image in one turn of its loop, as handlers do;
-    each one's (status, pixels' bytes, retry, timings), its outputs read from its slot."""
+def ask_together(front_sock: socket.socket, segments: dict, max_queue: int, requests: list):
+    """A front submitting `requests` (each a list of images) in one turn of its loop, as
+    handlers do; each one's (status, pixels' bytes, retry, timings), read from its slot."""
 
     async def front() -> list[tuple]:
         reader, writer = await asyncio.open_unix_connection(sock=front_sock)
         remote = RemoteBatcher(writer, segments, max_queue)
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Outcome]] = [loop.create_future() for _ in images]
-        for image, fut in zip(images, futures, strict=True):
-            remote.submit(pending([{"image": image}], fut.set_result))
+        futures: list[asyncio.Future[Outcome]] = [loop.create_future() for _ in requests]
+        for blobs, fut in zip(requests, futures, strict=True):
+            remote.submit(pending([{"image": b} for b in blobs], fut.set_result))
 
         async def answers() -> None:
             while True:
@@ -118,7 +122,7 @@ def test_requests_submitted_in_one_turn_arrive_as_one_group_each_answered_its_ow
     prep, images, want
 ):
     with linked(prep, 64) as (link, theirs, segments):
-        got = ask_together(theirs, segments, 64, images)
+        got = ask_together(theirs, segments, 64, [[b] for b in images])
     assert link.counts.requests == 4 and link.counts.request_groups == 1
     assert link.counts.inline_requests == 0 and link.counts.inline_responses == 0
     for i, (status, pixels, _, timings) in enumerate(got):
@@ -129,7 +133,7 @@ def test_requests_submitted_in_one_turn_arrive_as_one_group_each_answered_its_ow
 
 def test_a_group_past_max_queue_runs_what_fits_and_refuses_the_rest_503(prep, images, want):
     with linked(prep, 3) as (link, theirs, segments):
-        got = ask_together(theirs, segments, 3, images)
+        got = ask_together(theirs, segments, 3, [[b] for b in images])
     assert link.counts.request_groups == 1
     assert [(status, retry) for status, _, retry, _ in got] == [
         (200, False),
@@ -138,6 +142,21 @@ def test_a_group_past_max_queue_runs_what_fits_and_refuses_the_rest_503(prep, im
         (503, True),
     ]
     assert [pixels for _, pixels, _, _ in got[:3]] == [want[i : i + 1].tobytes() for i in range(3)]
+
+
+def test_a_request_over_more_batches_than_the_runtime_has_slots_comes_back_whole(
+    prep, images, want
+):
+    # 7 items in batches of 2 over 3 slots: its first batch's slot holds its last batch
+    long = images + images[:3]
+    with linked(prep, 64) as (link, theirs, segments):
+        got = ask_together(theirs, segments, 64, [long, images[3:]])
+    assert link.counts.request_groups == 1
+    assert [(status, pixels) for status, pixels, _, _ in got] == [
+        (200, np.concatenate([want, want[:3]]).tobytes()),
+        (200, want[3:].tobytes()),
+    ]
+    assert got[0][3]["batches"] == 4
 
 
 def test_a_group_is_admitted_in_order_each_request_as_if_alone(prep, images):
