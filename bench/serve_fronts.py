@@ -6,7 +6,11 @@ beside it, in the same run, the Session's own batch throughput on the same plan 
 over that throughput, >= 0.8 wanted.
 
 Host CPU per request: serve's process (the Session, the batcher, the fronts' readers), its
-fronts and its agents, over each run's answered requests; the load processes' apart.
+fronts and its agents, over each run's answered requests; the load processes' apart. serve's
+also by thread, and less the runtime's host workers (`serve_overhead_ms_per_request`, the
+table's `s-over`: what serving costs that process besides the kernels run on the host; with
+GPU stages their threads are in it). The fronts' stats say how the requests were grouped
+(`requests` over `request_groups`: the mean group a front sent).
 """
 
 from __future__ import annotations
