@@ -29,13 +29,17 @@ KEPT_UP = 0.95
 class Serve:
     """A `nicoffload serve --plan PLAN` process and its ready line."""
 
-    def __init__(self, plan: Path, log: Path, grpc: bool = False, more: tuple = ()) -> None:
+    def __init__(
+        self, plan: Path, log: Path, grpc: bool = False, more: tuple = (), tree: Path = ROOT
+    ) -> None:
+        """`tree`: the source tree serve runs from (its package and pipeline): another
+        checkout's, for a before/after comparison on one machine."""
         more = [*(["--grpc", "127.0.0.1:0"] if grpc else []), *more]
         self.proc = subprocess.Popen(
             [
                 *NICOFFLOAD,
                 "serve",
-                str(PIPELINE),
+                str(tree / PIPELINE.relative_to(ROOT)),
                 "--plan",
                 str(plan),
                 "--listen",
@@ -44,7 +48,7 @@ class Serve:
             ],
             stdout=subprocess.PIPE,
             stderr=log.open("w"),
-            cwd=ROOT,
+            cwd=tree,  # `python -m` imports the package from here
         )
         ready, _, _ = select.select([self.proc.stdout], [], [], 180)
         line = self.proc.stdout.readline() if ready else b""
