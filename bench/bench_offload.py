@@ -1,7 +1,8 @@
 """Does offload pay on this machine? Every placement of one corpus, side by side in one run.
 
 For each placement (all on the host, decode on the DPU, decode+resize+crop on the DPU, all on
-the DPU, and the planner's throughput and host-cpu plans; the GPU ones where a GPU is), a
+the DPU, each DPU one again with host assist, and the planner's throughput and host-cpu plans;
+the GPU ones where a GPU is), a
 session is opened once (its set-up reported on its own), warmed with one call, then timed over
 `--rounds` calls of the whole corpus: items/s, host CPU ms/item (this process), agent CPU
 ms/item (the local agent's process, which emulates the DPU on its own cores), and what the plan
@@ -9,7 +10,7 @@ predicted beside each; first with `run` (every output copied into one RunResult)
 `stream` (each batch read in place, as a serving loop does: no copy of the outputs). Ratios are
 against the all-host placement of the same run.
 
-    python bench/bench_offload.py [--items 256] [--rounds 2] [--json] [--out FILE.json]
+    python bench/bench_offload.py [--items 256] [--rounds 2] [--no-assist] [--json] [--out FILE.json]
 
 The corpus is ImageNet-size JPEGs (the pipeline's `typical` height and width), from
 bench_prediction.typical_jpegs; every placement is priced at the corpus's own sizes (its mean
@@ -43,10 +44,10 @@ from nicoffload.topology import local_topology
 PIPELINE = "pipelines/resnet50.yaml"
 
 
-def placements(pipeline, topology) -> dict[str, Plan]:
-    def pinned(place: dict[str, str]) -> Plan:
+def placements(pipeline, topology, assist: bool = True) -> dict[str, Plan]:
+    def pinned(place: dict[str, str], host_assist: bool = False) -> Plan:
         # priced by the model as the planner prices its own plans: what the run is predicted to do
-        return plan_placement(pipeline, place, topology)
+        return plan_placement(pipeline, place, topology, host_assist=host_assist)
 
     nodes = [n.name for n in pipeline.nodes]
     out = {"all host": pinned({n: "cpu" for n in nodes})}
@@ -56,8 +57,13 @@ def placements(pipeline, topology) -> dict[str, Plan]:
     if "gpu0" in topology.ids:
         out["all gpu"] = pinned({n: "gpu0" for n in nodes})
         out["dpu -> gpu"] = pinned({n: "gpu0" if n == "norm" else "dpu0" for n in nodes})
+    if assist:  # the DPU placements again, the host taking its share while the agent is busy
+        for name in [k for k in out if "dpu" in k]:
+            out[f"{name} + host assist"] = pinned(dict(out[name].placement), True)
     for objective in ("throughput", "host-cpu"):
         out[f"plan: {objective}"] = plan_for(pipeline, topology, objective=objective)
+    if assist:
+        out["plan: throughput, --host-assist"] = plan_for(pipeline, topology, host_assist=True)
     return out
 
 
@@ -102,6 +108,8 @@ def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) ->
             if pred is None
             else round(pred.host_cpu_ms_per_item, 3),
             "failover": stats.failover,
+            "assisted_share": round(stats.assisted / stats.items, 3) if stats.items else 0.0,
+            "planned_host_share": (plan.physical.get(plan.stages[0].name) or {}).get("host_share"),
         }
 
 
@@ -110,6 +118,9 @@ def main() -> int:
     ap.add_argument("--items", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument(
+        "--no-assist", action="store_true", help="leave out the DPU placements with host assist"
+    )
     ap.add_argument("--out", type=Path, help="also write the JSON document here")
     args = ap.parse_args()
     pipeline = nicoffload.load_pipeline(PIPELINE)
@@ -128,7 +139,7 @@ def main() -> int:
         "priced_at": typical,
         "placements": {},
     }
-    for name, plan in placements(pipeline, topology).items():
+    for name, plan in placements(pipeline, topology, not args.no_assist).items():
         print(f"{name} ...", file=sys.stderr, flush=True)
         doc["placements"][name] = measure(pipeline, plan, topology, images, args.rounds)
     doc["load_after"] = loadavg()
@@ -156,19 +167,20 @@ def main() -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{doc['machine']}, {doc['date']}, load {doc['load_before']} -> {doc['load_after']}")
-    head = f"{'placement':28} {'items/s':>8} {'pred':>7} {'x host':>7} {'host ms':>8} {'pred':>6} {'x host':>7} {'agent ms':>8} {'setup s':>7}"
+    w = max(28, *map(len, doc["placements"]))
+    head = f"{'placement':{w}} {'items/s':>8} {'pred':>7} {'x host':>7} {'host ms':>8} {'pred':>6} {'x host':>7} {'agent ms':>8} {'setup s':>7}"
     print(head)
     for name, r in doc["placements"].items():
         print(
-            f"{name:28} {r['items_per_s']:8.1f} {r['predicted_items_per_s'] or 0:7.0f} "
+            f"{name:{w}} {r['items_per_s']:8.1f} {r['predicted_items_per_s'] or 0:7.0f} "
             f"{r['throughput_vs_all_host']:7.2f} {r['host_cpu_ms_per_item']:8.3f} "
             f"{r['predicted_host_cpu_ms_per_item'] or 0:6.3f} {r['host_cpu_vs_all_host']:7.2f} "
             f"{r['agent_cpu_ms_per_item']:8.3f} {r['setup_s']:7.2f}"
         )
     print("stream() (each batch read in place):")
     print(
-        f"{'placement':28} {'items/s':>8} {'x host':>7} {'host ms':>8} {'x host':>7} "
-        f"{'agent ms':>8} {'pred err: items/s':>17} {'host ms':>8}"
+        f"{'placement':{w}} {'items/s':>8} {'x host':>7} {'host ms':>8} {'x host':>7} "
+        f"{'agent ms':>8} {'pred err: items/s':>17} {'host ms':>8} {'assisted':>8}"
     )
 
     def pct(x: float | None) -> str:
@@ -176,11 +188,11 @@ def main() -> int:
 
     for name, r in doc["placements"].items():
         print(
-            f"{name:28} {r['stream_items_per_s']:8.1f} {r['stream_throughput_vs_all_host']:7.2f} "
+            f"{name:{w}} {r['stream_items_per_s']:8.1f} {r['stream_throughput_vs_all_host']:7.2f} "
             f"{r['stream_host_cpu_ms_per_item']:8.3f} {r['stream_host_cpu_vs_all_host']:7.2f} "
             f"{r['stream_agent_cpu_ms_per_item']:8.3f} "
             f"{pct(r['stream_items_per_s_error']):>17} "
-            f"{pct(r['stream_host_cpu_ms_per_item_error']):>8}"
+            f"{pct(r['stream_host_cpu_ms_per_item_error']):>8} {r['assisted_share']:8.2f}"
         )
     return 0
 

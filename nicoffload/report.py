@@ -70,6 +70,7 @@ def finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> No
                         "batches": front.landing.copies,
                         "bytes": front.landing.bytes,
                     }
+        stats.assisted = getattr(ex, "assisted", 0)  # the general path assists nothing
         if ex.failed_over:
             stats.failover = (
                 f"{ex.failed_over} ({ex.taken_back} items ran stage '{front.stage.name}' on the "

@@ -37,6 +37,8 @@ class RunStats:
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     failover: str | None = None  # why the DPU agent's items were taken back to the host
+    # items whose DPU stage the host ran because the agent had no room (the plan's host assist)
+    assisted: int = 0
     batches: int = 0
     setup_s: float = 0.0  # opening the session (agent start, LOAD, binding): not per item
     predicted: dict[str, float] | None = None  # the plan's (Predicted), where it has one
@@ -67,6 +69,7 @@ class RunStats:
             "stages": self.stages,
             "transfers": self.transfers,
             "failover": self.failover,
+            "assisted": self.assisted,
             "host_cpu_ms_per_item": round(self.host_cpu_ms_per_item, 4),
             "wall_s": round(self.wall_s, 4),
             "batches": self.batches,

@@ -77,6 +77,12 @@ def summary_table(stats: RunStats) -> Table:
             )
     if doc.get("failover"):
         t.add_row("failover", f"the DPU agent's items ran on the host: {doc['failover']}")
+    if doc.get("assisted"):
+        t.add_row(
+            "host assist",
+            f"{doc['assisted']} of {doc['items']} items ran the DPU stage on the host "
+            "(the agent had no room: the plan's host assist)",
+        )
     return t
 
 

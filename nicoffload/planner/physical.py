@@ -92,6 +92,9 @@ def stage_physical(
 
 MAX_SLOTS = 64
 _FIELDS = ("scheme", "slots", "slot_bytes", "batch_max_size", "batch_max_wait_ms")
+# optional: the share of a batch's rows the host runs the stage for while its agent is busy
+# (`planner.assist`)
+_OPTIONAL = ("host_share",)
 
 
 def check(plan: Plan, source: str = "<plan>") -> None:
@@ -104,9 +107,12 @@ def check(plan: Plan, source: str = "<plan>") -> None:
         where = f"physical['{name}']"
         if name not in dpu:
             raise PlanError(f"{where}: the plan has no DPU stage '{name}'", Mark(source, 1, 1))
-        if not isinstance(entry, dict) or set(entry) != set(_FIELDS):
+        if not isinstance(entry, dict) or not set(_FIELDS) <= set(entry) <= {*_FIELDS, *_OPTIONAL}:
             got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-            raise PlanError(f"{where}: fields {list(_FIELDS)}, got {got}", Mark(source, 1, 1))
+            raise PlanError(
+                f"{where}: fields {list(_FIELDS)} (and optionally {list(_OPTIONAL)}), got {got}",
+                Mark(source, 1, 1),
+            )
         sch, slots, size = entry["scheme"], entry["slots"], entry["slot_bytes"]
         batch, wait = entry["batch_max_size"], entry["batch_max_wait_ms"]
         problem = (
@@ -120,6 +126,12 @@ def check(plan: Plan, source: str = "<plan>") -> None:
             if type(batch) is not int or batch < 1
             else f"batch_max_wait_ms {wait!r} must be a number >= 0"
             if type(wait) not in (int, float) or not 0 <= wait < float("inf")
+            else f"host_share {entry['host_share']!r} must be a number from 0 up to 1"
+            if type(entry.get("host_share", 0.0)) not in (int, float)
+            or not 0 <= entry.get("host_share", 0.0) < 1
+            else "host_share is for the plan's first stage only (the host runs that stage for "
+            "a share of the items while its agent is busy)"
+            if entry.get("host_share") and name != plan.stages[0].name
             else None
         )
         if problem:
@@ -144,6 +156,22 @@ def ring_slots(plan: Plan, stage: StagePlan) -> int:
     """The receiver ring's slots of DPU stage `stage`, so the batches it may hold at its agent
     and on the way back at once: the plan's decision, else the one `complete` makes."""
     return int(plan.physical.get(stage.name, {}).get("slots", RING_SLOTS))
+
+
+def host_share(plan: Plan, stage: StagePlan) -> float:
+    """The share of a batch's rows the host runs DPU stage `stage` for while its agent is busy
+    (host assist: the planner decides it, `planner.assist`; absent: 0, none)."""
+    return float(plan.physical.get(stage.name, {}).get("host_share", 0.0))
+
+
+def with_host_share(plan: Plan, share: float) -> Plan:
+    """The plan with host assist at `share` for its leading DPU stage (PlanError where it has
+    none)."""
+    first = plan.stages[0] if plan.stages else None
+    if first is None or first.kind != "dpu" or first.name not in plan.physical:
+        raise PlanError("host assist needs a plan whose first stage is a DPU stage")
+    entry = {**plan.physical[first.name], "host_share": round(float(share), 6)}
+    return dataclasses.replace(plan, physical={**plan.physical, first.name: entry})
 
 
 def of_stage(plan: Plan, stage: StagePlan) -> dict[str, int | float | str]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from nicoffload.errors import DeviceError, Mark, PlanError
 from nicoffload.graph import Pipeline
-from nicoffload.planner import physical
+from nicoffload.planner import assist, physical
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
 from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, Metrics, evaluate, figures
@@ -194,6 +194,7 @@ def plan_for(
     catalog: Catalog | None = None,
     time_limit_s: float = 20.0,
     runnable: bool = False,
+    host_assist: bool = False,
 ) -> Plan:
     """The best Plan for `pipeline` on `topology` (the local machine when None).
 
@@ -207,7 +208,9 @@ def plan_for(
     says (`plan.search["stopped_at_time_limit"]`, and a note). The plan holds no clock reading.
     The runtime runs every placement, so every plan is the best overall. `runnable` is accepted
     and ignored (it asked for the best plan of the shapes the runtime used to run; a no-op for
-    one release, then removed).
+    one release, then removed). `host_assist`: for the throughput objective, also weigh the
+    plan with its leading nodes on each DPU and the host taking a share of their items while
+    the agent is busy (`planner.assist`), and take it where it is predicted faster.
     """
     if objective not in OBJECTIVES:
         raise PlanError(
@@ -276,12 +279,23 @@ def plan_for(
     if best is None:
         raise _diagnose(pipeline, model, goal, allowed, cli)
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
+    plain = best
+    pick = None
+    if host_assist:
+        pick = assist.choose(model, goal, allowed, best, plan.predicted.throughput_per_s)
+    if pick is not None and (helped := assisted_plan(pipeline, topo, model, goal, pick, plan)):
+        plan, best = helped, pick.placement
     runner_cut = False
     if explain:
         from nicoffload.planner.explain import explanation
 
         proven = not chain and max(gaps) <= 1e-6 and not cut
-        second, missing, runner_cut = search_runner_up(model, goal, best, allowed, left(), proven)
+        if best is not plain:  # the runner-up: the best plan without host assist
+            second, missing = plain, None
+        else:
+            second, missing, runner_cut = search_runner_up(
+                model, goal, best, allowed, left(), proven
+            )
         if runner_cut and second is not None:
             plan = replace(
                 plan,
@@ -291,8 +305,23 @@ def plan_for(
                     "the best other placement found, not proven the best",
                 ),
             )
-        plan = replace(plan, explain=explanation(model, topo, goal, best, second, missing))
+        why = explanation(model, topo, goal, best, second, missing)
+        if best is not plain:  # the runner-up lost on the assisted throughput
+            why["host_assist"] = plan.explain["host_assist"]
+            assert plan.predicted is not None
+            if ru := why.get("runner_up"):
+                ru.update(
+                    lost_on="throughput",
+                    reason="throughput",
+                    tied_on=None,
+                    why=f"its throughput is {ru['predicted']['throughput_per_s']:,.0f} items/s "
+                    f"against {plan.predicted.throughput_per_s:,.0f} with host assist",
+                    would_win_if=[],  # the sensitivity scan prices plans without host assist
+                )
+        plan = replace(plan, explain=why)
     record = _search_record(chain, gaps, time_limit_s, solves, cut, runner_cut)
+    if best is not plain:  # how the assisted plan was chosen: not by the proven search
+        record["host_assist_weighed"] = len(assist.candidates(model, allowed, plain))
     return replace(plan, search=record)
 
 
@@ -302,9 +331,13 @@ def plan_placement(
     topology: Topology | str | Path | None = None,
     profile: ProfileArg = None,
     catalog: Catalog | None = None,
+    *,
+    host_assist: bool = False,
 ) -> Plan:
     """The Plan of a placement chosen by hand (node -> device id), priced by the model as the
-    planner prices its own: what a pinned run is predicted to do."""
+    planner prices its own: what a pinned run is predicted to do. `host_assist`: the host
+    also runs its leading DPU stage for the items the agent has no room for (`planner.assist`;
+    PlanError for a placement without one)."""
     topo = resolve_topology(topology)
     model = build_model(
         pipeline, topo, resolve_profiles(topo, profile), catalog or Catalog.from_registry()
@@ -319,8 +352,18 @@ def plan_placement(
     if not np.isfinite(model.cost[np.arange(model.n), best]).all():
         bad = next(n for i, n in enumerate(model.nodes) if not np.isfinite(model.cost[i, best[i]]))
         raise PlanError(f"node '{bad}' cannot run on '{placement[bad]}'")
-    plan = make_plan(pipeline, topo, model, Goal("throughput"), best)
-    return replace(plan, objective="pinned", notes=profile_notes(resolve_profiles(topo, profile)))
+    notes = profile_notes(resolve_profiles(topo, profile))
+    plan = replace(make_plan(pipeline, topo, model, Goal("throughput"), best), notes=notes)
+    if host_assist:
+        pick = assist.assisted(model, best)
+        helped = pick and assisted_plan(pipeline, topo, model, Goal("throughput"), pick, plan)
+        if not helped:
+            raise PlanError(
+                "host assist needs a placement whose first stage is a DPU stage the host can "
+                "also run, followed by host stages and at most one GPU stage"
+            )
+        plan = helped
+    return replace(plan, objective="pinned")
 
 
 def _search_record(
@@ -446,6 +489,56 @@ def make_plan(
         return physical.complete(pipeline, plan, topology)
     except DeviceError as exc:  # the run says so too, before any agent starts
         return replace(plan, notes=(*plan.notes, f"not runnable as it is: {exc}"))
+
+
+def assisted_plan(
+    pipeline: Pipeline,
+    topology: Topology,
+    model: CostModel,
+    goal: Goal,
+    pick: assist.Assisted,
+    plain: Plan,
+) -> Plan | None:
+    """The plan of an assisted placement (`planner.assist.choose`), predicted as assisted,
+    its notes saying so beside the plain best's figures; None where its stage cannot run."""
+    plan = make_plan(pipeline, topology, model, goal, pick.placement)
+    first = plan.stages[0]
+    if first.name not in plan.physical:
+        return None
+    assert plain.predicted is not None and plan.predicted is not None
+    without = plan.predicted
+    plan = physical.with_host_share(plan, pick.host_share)
+    note = (
+        f"host assist: the host runs stage '{first.name}' ({', '.join(first.nodes)}) for the "
+        f"items its agent has no room for (about {pick.host_share:.0%} of them): "
+        f"{pick.throughput_per_s:,.0f} items/s predicted, against {without.throughput_per_s:,.0f} "
+        f"for this placement without it and {plain.predicted.throughput_per_s:,.0f} for the "
+        "best plan without host assist"
+    )
+    return replace(
+        plan,
+        notes=(*plain.notes, note),
+        predicted=Predicted(
+            float(pick.latency_ms), float(pick.throughput_per_s), float(pick.host_cpu_ms_per_item)
+        ),
+        explain={
+            "host_assist": {
+                "stage": first.name,
+                "host_share": pick.host_share,
+                "agent_per_s": pick.agent_per_s,
+                "throughput_per_s": pick.throughput_per_s,
+                "without": {
+                    "throughput_per_s": without.throughput_per_s,
+                    "host_cpu_ms_per_item": without.host_cpu_ms_per_item,
+                },
+                "best_without": {
+                    "placement": dict(plain.placement),
+                    "throughput_per_s": plain.predicted.throughput_per_s,
+                    "host_cpu_ms_per_item": plain.predicted.host_cpu_ms_per_item,
+                },
+            }
+        },
+    )
 
 
 def _predicted(model: CostModel, m: Metrics) -> Predicted:

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from nicoffload.errors import DeviceError, SystemFailure
+from nicoffload.errors import DeviceError, PlanError, SystemFailure
 from nicoffload.graph import Pipeline
-from nicoffload.planner.physical import ring_slots
+from nicoffload.planner.physical import host_share, ring_slots
 from nicoffload.planner.plan import Plan, StagePlan
 from nicoffload.runtime.batch import Batch, Stamps, settle
 from nicoffload.runtime.buffers import drain as drain_until
@@ -101,6 +101,11 @@ class Chain:
         gpu_stages: Mapping[str, Any] | None = None,
     ) -> None:
         plan.check_matches(pipeline)
+        if any(host_share(plan, st) for st in plan.stages):
+            raise PlanError(
+                "host assist is run for a plan of [a DPU stage] -> host stages -> [a GPU "
+                f"stage] only; this plan's stages are {', '.join(s.device for s in plan.stages)}"
+            )
         self.pipeline, self.plan = pipeline, plan
         self.batch_size = pipeline.batch_max_size
         self.max_wait_s = pipeline.batch_max_wait_ms / 1000

@@ -28,8 +28,9 @@ import numpy as np
 
 from nicoffload.errors import AgentError, DeviceError, ItemError, SystemFailure
 from nicoffload.graph import Pipeline
-from nicoffload.planner.physical import ring_slots
+from nicoffload.planner.physical import host_share, ring_slots
 from nicoffload.planner.plan import Plan, StagePlan
+from nicoffload.runtime.assist import HostAssist
 from nicoffload.runtime.batch import Batch, ItemFailure, settle
 from nicoffload.runtime.buffers import BatchSlot, SlotRing, put_unless
 from nicoffload.runtime.delivered import delivers_outputs, place_rows
@@ -86,6 +87,7 @@ class _Task:
     route: tuple[Stage, ...] = ()
     release: Callable[[], None] | None = None
     rid: int = 0  # its request id at the DPU agent, once submitted
+    assisted: bool = False  # the host runs its DPU stage: the agent was busy (host assist)
 
 
 class Executor:
@@ -142,6 +144,12 @@ class Executor:
             # agent's receiver ring may hold, one being filled and one being read (3 slots in
             # all capped a DPU placement at 0.72-0.85x of the agent's own rate on the H200)
             slots = max(slots, ring_slots(plan, lead) + 2)
+        # host assist (the plan's, `planner.assist`): while the agent is busy, a share of each
+        # batch's rows runs the DPU stage here instead, as much as the host keeps up with
+        share = host_share(plan, lead) if lead is not None else 0.0
+        self.assist = HostAssist(share, self.batch_size) if share else None
+        if self.assist is not None:
+            slots += self.assist.extra_slots
         # batches in the GPU stage still hold their slot: room for them too
         self._ring = SlotRing(specs, self.batch_size, slots * (2 if self.gpu else 1))
         self._calls = 0  # the streams run so far
@@ -156,10 +164,12 @@ class Executor:
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self._failover: tuple[str, bool] | None = None  # (failed_over, the agent's end)
         self.taken_back = 0  # how many items ran the DPU stage here instead
+        self.assisted = 0  # how many items of this call ran the DPU stage here by host assist
 
     def begin_call(self) -> None:
         """A new call of a session: its failover and transfer figures start afresh."""
         self.failed_over, self._failover, self.taken_back = None, None, 0
+        self.assisted = 0
         if self.front is not None:
             self.front.begin_call()
 
@@ -205,7 +215,8 @@ class Executor:
             self._calls += 1
             yield from self.direct.stream(items, self._calls << 32)
             return
-        work: queue.Queue[Any] = queue.Queue(maxsize=self.workers * 4)
+        room = self.assist.room if self.assist else 0  # assisted rows never block the feeder
+        work: queue.Queue[Any] = queue.Queue(maxsize=self.workers * 4 + room)
         source: queue.Queue[Any] = queue.Queue(maxsize=self.batch_size * 2)
         ready: dict[int, _Open] = {}
         cond = threading.Condition()
@@ -256,6 +267,8 @@ class Executor:
                 finally:
                     if task.release:
                         task.release()
+                    if task.assisted and self.assist:
+                        self.assist.done()
                 finish(task.batch, rows=(task.row,))
 
         def on_rows(tasks: list[_Task], rows: list[int], tensors, bad, release) -> None:
@@ -324,18 +337,33 @@ class Executor:
             task.route = self.fallback
             put_unless(work, task, stop)
 
+        def share_out(tasks: list[_Task]) -> list[_Task]:
+            """Host assist: the rows of the batch the host runs the DPU stage for go to its
+            workers (`runtime.assist`); returns the rows for the agent."""
+            assert front is not None
+            if self.assist is None:
+                return tasks
+            k = self.assist.take(len(tasks), len(front.pending), work.qsize(), self.workers)
+            if not k:
+                return tasks
+            self.assisted += k
+            for task in tasks[len(tasks) - k :]:
+                task.route, task.assisted = self.fallback, True
+                put_unless(work, task, stop)
+            return tasks[: len(tasks) - k]
+
         def close(b: _Open) -> None:
             b.closed_at = time.perf_counter()
             if held and front is not None:  # one REQUEST frame (one credit) for the batch
                 tasks, held[:] = held[:], []
-                if front.accepting:
+                if not front.accepting:
+                    on_host(tasks, front.dead or front.refusing or "the agent is gone")
+                elif tasks := share_out(tasks):
                     try:
                         front.submit_batch(tasks)
                     except AgentError as exc:
                         # includes these tasks, recorded before the submit
                         take_back(front.why_ended(str(exc)))
-                else:
-                    on_host(tasks, front.dead or front.refusing or "the agent is gone")
             finish(b)
 
         def feeder() -> None:

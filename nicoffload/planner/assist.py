@@ -1,0 +1,125 @@
+"""Host assist: the host runs a plan's leading DPU stage for the items its agent has no room
+for, so a DPU stage adds the DPU's cores to the host's rather than replacing them.
+
+On a DPU with no more cores than the host gives the pipeline, a plan that moves the heavy
+stages to the DPU cannot beat the all-host plan: the agent becomes the bottleneck and the host
+waits. With host assist the runtime sends each batch to the agent while the agent has a credit
+free, and runs it on the host (its copy of the DPU stage, as after a failover) when every
+credit is taken and the host has room; the run counts the items so run (`RunStats.assisted`).
+
+Priced as the runtime runs it: the agent's path at its own bottleneck rate x, and the host's
+copy of the whole pipeline at whatever rate y every resource still has room for beside x
+(host cores, the host process's interpreter, links). Pure functions of the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.planner.cost import CostModel
+from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate, fast_path, stage_starts
+
+HOST = "cpu"  # the device the runtime runs an assisted (or failed-over) DPU stage on
+GAIN = 1.02  # an assisted plan is chosen over the plain best only for more than this
+
+
+@dataclass(frozen=True)
+class Assisted:
+    """An assisted placement's predicted figures."""
+
+    placement: np.ndarray  # (n,) device per node, the DPU stage first
+    throughput_per_s: float
+    host_cpu_ms_per_item: float
+    latency_ms: float  # the slower of the two paths an item may take
+    host_share: float  # of the items, those the host runs the DPU stage for
+    agent_per_s: float  # the agent's path alone (x)
+
+
+def lead(model: CostModel, placement: np.ndarray) -> np.ndarray | None:
+    """The nodes of the placement's leading DPU stage, when the runtime's fast path runs it
+    ([a DPU stage] -> host -> [a GPU stage]); else None."""
+    P = np.asarray(placement)
+    if not model.kinds or not len(P) or model.kinds[P[0]] != "dpu":
+        return None
+    if not fast_path(model, P[None, :])[0]:
+        return None
+    starts = stage_starts(P[None, :])[0]
+    end = int(np.argmax(starts[1:])) + 1 if starts[1:].any() else len(P)
+    return np.arange(end)
+
+
+def assisted(model: CostModel, placement: np.ndarray) -> Assisted | None:
+    """The placement's figures with host assist, or None where it has no leading DPU stage
+    or the model has no host device the runtime would run that stage on."""
+    nodes = lead(model, placement)
+    if nodes is None or HOST not in model.devices:
+        return None
+    host = model.devices.index(HOST)
+    P = np.asarray(placement, dtype=np.intp)
+    F = P.copy()
+    F[nodes] = host
+    if not np.isfinite(model.cost[nodes, host]).all():
+        return None  # the host cannot run the stage: no failover, no assist
+    m = evaluate(model, np.stack([P, F]))
+    base = model.base if model.base is not None else np.zeros(len(model.resources))
+    load = (m.work + base) / model.divisor  # (2, R) ms of each resource per item
+    serial = m.serial
+    x = 1.0 / max(float(load[0].max()), float(serial[0]), 1e-12)  # items per ms
+    room = [(1.0 - x * load[0, r]) / load[1, r] for r in range(load.shape[1]) if load[1, r] > 0]
+    if serial[1] > 0:
+        room.append((1.0 - x * serial[0]) / serial[1])
+    y = max(0.0, min(room)) if room else 0.0
+    D = len(model.devices)
+    hb = float(base[:D][model.host].sum())
+    hp, hf = float(m.host[0]) + hb, float(m.host[1]) + hb
+    return Assisted(
+        placement=P,
+        throughput_per_s=round(float((x + y) * 1e3), 3),
+        host_cpu_ms_per_item=round(float((x * hp + y * hf) / (x + y)), 6),
+        latency_ms=round(float(max(m.latency[0], m.latency[1])), 6),
+        host_share=round(float(y / (x + y)), 6),
+        agent_per_s=round(float(x * 1e3), 3),
+    )
+
+
+def candidates(model: CostModel, allowed: np.ndarray, best: np.ndarray) -> list[np.ndarray]:
+    """`best`, and `best` with each leading run of nodes (in topological order) moved onto each
+    DPU that may run all of them: the placements host assist is weighed for."""
+    out = [np.asarray(best, dtype=np.intp)]
+    for d, kind in enumerate(model.kinds):
+        if kind != "dpu":
+            continue
+        for k in range(1, model.n + 1):
+            if not allowed[:k, d].all():
+                break
+            P = out[0].copy()
+            P[:k] = d
+            if not any(np.array_equal(P, q) for q in out):
+                out.append(P)
+    return out
+
+
+def choose(
+    model: CostModel, goal: Goal, allowed: np.ndarray, best: np.ndarray, plain_per_s: float
+) -> Assisted | None:
+    """The assisted placement to run instead of `best` (whose figures give `plain_per_s`), or
+    None: for the throughput objective, the candidate with the most throughput that meets the
+    goal's latency cap and memory, where it beats the plain best by more than GAIN; ties go
+    to the lower latency, then the lower host CPU."""
+    if goal.objective != "throughput":
+        return None
+    found: list[Assisted] = []
+    for P in candidates(model, allowed, best):
+        a = assisted(model, P)
+        if a is None:
+            continue
+        m = evaluate(model, P[None, :])
+        if not m.ok[0] or a.latency_ms > goal.latency_cap * (1 + REL_TOL):
+            continue
+        found.append(a)
+    if not found:
+        return None
+    pick = max(found, key=lambda a: (a.throughput_per_s, -a.latency_ms, -a.host_cpu_ms_per_item))
+    return pick if pick.throughput_per_s > plain_per_s * GAIN else None
