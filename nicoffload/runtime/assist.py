@@ -52,7 +52,13 @@ class HostAssist:
             self.outstanding += k
             return k
 
+    def begin_call(self) -> None:
+        """A new call: the rows of an earlier one (finished, or abandoned with rows dropped
+        unfinished) are no longer counted; the share learnt so far is kept."""
+        with self._lock:
+            self.outstanding, self._owed = 0, 0.0
+
     def done(self, n: int = 1) -> None:
         """`n` assisted rows are finished (ok or failed)."""
-        with self._lock:
-            self.outstanding -= n
+        with self._lock:  # a straggler of an earlier call counts for nothing
+            self.outstanding = max(0, self.outstanding - n)

@@ -233,6 +233,8 @@ class Executor:
         # of this call's items.
         self._calls += 1
         self._ring.reset()
+        if self.assist is not None:
+            self.assist.begin_call()
         key = self._calls << 32
 
         def fail(exc: BaseException) -> None:

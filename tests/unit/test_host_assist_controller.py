@@ -63,3 +63,14 @@ def test_batches_of_one_row_are_shared_through_the_carried_fraction():
         a.done(k)  # the host keeps up: the share climbs to its top
     assert a.share == HIGH
     assert 0.8 * 200 < rows <= 200
+
+
+def test_a_new_call_forgets_the_rows_an_abandoned_call_left_unfinished():
+    a = HostAssist(0.5, 8)
+    for _ in range(3):
+        a.take(8, 16, 0, 100)
+    assert a.outstanding > 0
+    share = a.share
+    a.begin_call()
+    assert a.outstanding == 0 and a.share == share
+    assert a.take(8, 16, 0, 100) > 0
