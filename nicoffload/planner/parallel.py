@@ -372,7 +372,8 @@ def _min_latency(
     s: _Search, t_cap: float, h_cap: float, cap: float, start: Outcome | None
 ) -> _Stage:
     """Least latency: the answer is one of the latencies a path can have, at least the least
-    every class needs; bisect them with quick refutations, search the lowest not refuted."""
+    every class needs and the LP's bound under the caps (latency_flow); bisect them with quick
+    refutations, search the lowest not refuted."""
     cands = np.unique(np.concatenate([np.maximum(0.0, x[0]) for x in s.suffixes()]))
     floor = max(float(np.maximum(0.0, x[0][0])) for x in s.suffixes())
     cands = cands[(cands >= floor) & (cands <= cap * (1 + REL_TOL))]
@@ -385,7 +386,9 @@ def _min_latency(
         best, best_l = start, s.latency(start.paths)
     lo = 0  # candidates under lo are refuted (if presolve is right)
     sure = 0  # candidates under sure are refuted by a re-checked refutation (or the LP)
-    bound = s.latency_bound(t_cap, h_cap) if len(cands) else -np.inf
+    # without a cap every class takes its fastest path: the LP's bound is then the floor
+    capped = np.isfinite([t_cap, h_cap, *s.model.mem_cap]).any()
+    bound = s.latency_bound(t_cap, h_cap) if len(cands) and capped else -np.inf
     if np.isfinite(bound):  # the LP's bound is a proof: nothing under it needs refuting
         lo = sure = int(np.searchsorted(cands, bound * (1 - REL_TOL) - 1e-12, side="left"))
     hard: set[int] = set()  # candidates a quick try could not refute
