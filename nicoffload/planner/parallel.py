@@ -9,7 +9,9 @@ packing just above it, and proves what it found by refuting just below (as the l
 under that cap, which HiGHS proves sooner than a bare feasibility question). Where no quick
 try refutes even a cap just above the bound, it asks at once for the least load below the
 best packing found, instead of proving cap after cap. A latency stage does the same over
-the latencies paths can have, each probe a flow problem bucketed at that bound. Tries and
+the latencies paths can have, each probe a flow problem bucketed at that bound, from the LP's
+bound of the least latency (latency_flow.py: on 12 camera branches of 12 resolutions the
+optimum itself, so one probe finds it and nothing under it needs refuting). Tries and
 searches solve the counts first with the arcs fractional (FlowProblem.find). Each packing a
 load stage finds is polished by a local search (search.py) towards the proven bound, so one
 search just above the optimum is enough. Every answer is proven optimal (within REL_TOL) or
