@@ -37,7 +37,7 @@ class RunStats:
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     failover: str | None = None  # why the DPU agent's items were taken back to the host
-    # items whose DPU stage the host ran because the agent had no room (the plan's host assist)
+    # items whose DPU stage the host ran while the agent was busy (the plan's host assist)
     assisted: int = 0
     batches: int = 0
     setup_s: float = 0.0  # opening the session (agent start, LOAD, binding): not per item
@@ -120,6 +120,8 @@ def prepare(
     topology: Topology | str | Path | None = None,
     token_file: str | Path | None = None,
     typical: Mapping[str, Mapping[str, int]] | None = None,
+    *,
+    host_assist: bool = False,
 ) -> Prepared:
     """The pipeline and the plan to run it with: the given plan, else one planned now (priced
     at `typical`, the sizes of the run's inputs, where known: `sizes.typical_of`).
@@ -138,7 +140,7 @@ def prepare(
         from nicoffload.planner import plan_for
 
         topology = topology if topology is not None else local_topology()
-        plan = plan_for(priced_at(pipeline, typical), topology)
+        plan = plan_for(priced_at(pipeline, typical), topology, host_assist=host_assist)
         if typical:
             plan = dataclasses.replace(plan, notes=(*plan.notes, typical_note(typical)))
     elif not isinstance(plan, Plan):

@@ -81,7 +81,7 @@ def summary_table(stats: RunStats) -> Table:
         t.add_row(
             "host assist",
             f"{doc['assisted']} of {doc['items']} items ran the DPU stage on the host "
-            "(the agent had no room: the plan's host assist)",
+            "while the agent was busy (the plan's host assist)",
         )
     return t
 
@@ -167,6 +167,13 @@ def run(
         False, "--strict", help="any failed item fails the run (exit 1, --output not written)"
     ),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+    host_assist: bool = typer.Option(
+        False,
+        "--host-assist",
+        help="plan with host assist weighed (as `plan --host-assist`): the host may run the "
+        "DPU stage for a share of the items while the agent is busy; not with --plan (a plan "
+        "file carries its own)",
+    ),
     ray: str | None = typer.Option(None, "--ray", help=ray_options.RAY_HELP),
     ray_network: Path | None = typer.Option(None, "--ray-network", help=ray_options.NETWORK_HELP),
     ray_server: str | None = typer.Option(None, "--ray-server", help=ray_options.SERVER_HELP),
@@ -178,6 +185,12 @@ def run(
     predicts it; queue waits excluded); --json adds the calls' wall time."""
     if (input_dir is None) == (sample is None):
         raise UserError("give exactly one of --input DIR or --sample N", Mark(str(pipeline), 1, 1))
+    if host_assist and plan is not None:
+        raise UserError(
+            "--host-assist plans the run; a plan file carries its own host assist "
+            "(`nicoffload plan --host-assist -o plan.json`)",
+            Mark(str(plan), 1, 1),
+        )
     check_token_file(token_file)
     ray_options.check(ray, {"--topology": topology, "--ray-network": ray_network,
                             "--ray-server": ray_server})  # fmt: skip
@@ -196,7 +209,7 @@ def run(
         with busy("reading the inputs' sizes"):
             typical = typical_of(pl, items if sample is not None else dir_items(pl, input_dir)[1])
     with busy("planning" if plan is None else "loading the plan"):
-        prep = prepare(pl, plan, topology, token_file, typical)
+        prep = prepare(pl, plan, topology, token_file, typical, host_assist=host_assist)
     stats = RunStats()
     progress = Progress(
         TextColumn("[bold]{task.description}"),

@@ -1,5 +1,5 @@
-"""Host assist: the host runs a plan's leading DPU stage for the items its agent has no room
-for, so a DPU stage adds the DPU's cores to the host's rather than replacing them.
+"""Host assist: the host runs a plan's leading DPU stage for a share of the items while its
+agent is busy, so a DPU stage adds the DPU's cores to the host's rather than replacing them.
 
 On a DPU with no more cores than the host gives the pipeline, a plan that moves the heavy
 stages to the DPU cannot beat the all-host plan: the agent becomes the bottleneck and the host

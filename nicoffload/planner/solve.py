@@ -336,7 +336,7 @@ def plan_placement(
 ) -> Plan:
     """The Plan of a placement chosen by hand (node -> device id), priced by the model as the
     planner prices its own: what a pinned run is predicted to do. `host_assist`: the host
-    also runs its leading DPU stage for the items the agent has no room for (`planner.assist`;
+    also runs its leading DPU stage for a share of the items while the agent is busy (`planner.assist`;
     PlanError for a placement without one)."""
     topo = resolve_topology(topology)
     model = build_model(
@@ -510,7 +510,7 @@ def assisted_plan(
     plan = physical.with_host_share(plan, pick.host_share)
     note = (
         f"host assist: the host runs stage '{first.name}' ({', '.join(first.nodes)}) for the "
-        f"items its agent has no room for (about {pick.host_share:.0%} of them): "
+        f"items while its agent is busy (about {pick.host_share:.0%} of them): "
         f"{pick.throughput_per_s:,.0f} items/s predicted, against {without.throughput_per_s:,.0f} "
         f"for this placement without it and {plain.predicted.throughput_per_s:,.0f} for the "
         "best plan without host assist"

@@ -267,3 +267,11 @@ def test_the_summary_puts_the_plans_prediction_beside_each_measured_figure():
     console = Console(width=200, record=True)
     console.print(summary_table(stats))
     assert "predicted" not in console.export_text()
+
+
+def test_host_assist_with_a_plan_file_is_refused_naming_where_it_belongs(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    result = invoke("pipelines/bert.yaml", "--sample", 4, "--plan", plan, "--host-assist")
+    assert result.exit_code == 2
+    assert "plan --host-assist" in result.output
