@@ -43,6 +43,7 @@ __all__ = ["Batch", "Executor", "ItemFailure", "split_stages"]
 
 Item = tuple[str, Mapping[str, Any]]  # (name, {input name: bytes or str})
 _END = object()
+POLL_S = 0.1  # how often a feeder with no batch open checks that the call goes on
 
 
 @dataclass
@@ -378,14 +379,17 @@ class Executor:
             index = batch_no = 0
             current: _Open | None = None
             while not stop.is_set():
-                timeout = None
+                # never an unbounded wait: a reader that stopped (the call abandoned, the
+                # caller's iterator raised) puts no end marker, and `stop` must be seen
+                timeout = POLL_S
                 if current is not None:
                     timeout = max(0.0, current.admitted[0] + self.max_wait_s - time.perf_counter())
                 try:
                     it = source.get(timeout=timeout)
                 except queue.Empty:
-                    close(current)  # max_wait passed: ship the partial batch
-                    current = None
+                    if current is not None:
+                        close(current)  # max_wait passed: ship the partial batch
+                        current = None
                     continue
                 if it is _END:
                     break
