@@ -3,9 +3,10 @@ agent is busy, so a DPU stage adds the DPU's cores to the host's rather than rep
 
 On a DPU with no more cores than the host gives the pipeline, a plan that moves the heavy
 stages to the DPU cannot beat the all-host plan: the agent becomes the bottleneck and the host
-waits. With host assist the runtime sends each batch to the agent while the agent has a credit
-free, and runs it on the host (its copy of the DPU stage, as after a failover) when every
-credit is taken and the host has room; the run counts the items so run (`RunStats.assisted`).
+waits. With host assist the runtime sends each batch whole to the agent while the agent holds
+less than a batch's rows, and once it holds more, runs a share of each batch's rows on the host
+(its copy of the DPU stage, as after a failover) as far as the host keeps up
+(`runtime.assist`); the run counts the rows so run (`RunStats.assisted`).
 
 Priced as the runtime runs it: the agent's path at its own bottleneck rate x, and the host's
 copy of the whole pipeline at whatever rate y every resource still has room for beside x
@@ -23,6 +24,9 @@ from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate, fast_path, stag
 
 HOST = "cpu"  # the device the runtime runs an assisted (or failed-over) DPU stage on
 GAIN = 1.02  # an assisted plan is chosen over the plain best only for more than this
+# the shares the runtime's controller keeps to (`runtime.assist`): a plan's share is clamped
+# into them, and a placement whose host would take less than SHARE_MIN is not assisted
+SHARE_MIN, SHARE_MAX = 0.05, 0.95
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Assisted:
     latency_ms: float  # the slower of the two paths an item may take
     host_share: float  # of the items, those the host runs the DPU stage for
     agent_per_s: float  # the agent's path alone (x)
+    fits: bool  # both paths within every device's memory
 
 
 def lead(model: CostModel, placement: np.ndarray) -> np.ndarray | None:
@@ -81,6 +86,7 @@ def assisted(model: CostModel, placement: np.ndarray) -> Assisted | None:
         latency_ms=round(float(max(m.latency[0], m.latency[1])), 6),
         host_share=round(float(y / (x + y)), 6),
         agent_per_s=round(float(x * 1e3), 3),
+        fits=bool(m.ok[0] and m.ok[1]),
     )
 
 
@@ -111,12 +117,16 @@ def choose(
     if goal.objective != "throughput":
         return None
     found: list[Assisted] = []
+    host = model.devices.index(HOST) if HOST in model.devices else -1
     for P in candidates(model, allowed, best):
         a = assisted(model, P)
-        if a is None:
+        if a is None or not a.fits or a.host_share < SHARE_MIN:
             continue
-        m = evaluate(model, P[None, :])
-        if not m.ok[0] or a.latency_ms > goal.latency_cap * (1 + REL_TOL):
+        nodes = lead(model, P)
+        assert nodes is not None  # `assisted` found the stage
+        if not allowed[nodes, host].all():
+            continue  # a pin keeps these nodes off the host: its copy may not run them
+        if a.latency_ms > goal.latency_cap * (1 + REL_TOL):
             continue
         found.append(a)
     if not found:

@@ -357,10 +357,15 @@ def plan_placement(
     if host_assist:
         pick = assist.assisted(model, best)
         helped = pick and assisted_plan(pipeline, topo, model, Goal("throughput"), pick, plan)
-        if not helped:
+        if not helped or pick is None:
             raise PlanError(
                 "host assist needs a placement whose first stage is a DPU stage the host can "
                 "also run, followed by host stages and at most one GPU stage"
+            )
+        if pick.host_share < assist.SHARE_MIN:
+            raise PlanError(
+                f"host assist would take {pick.host_share:.1%} of the items: the host has no "
+                "room beside this placement's own work on it (its figures are the same without)"
             )
         plan = helped
     return replace(plan, objective="pinned")
@@ -507,7 +512,8 @@ def assisted_plan(
         return None
     assert plain.predicted is not None and plan.predicted is not None
     without = plan.predicted
-    plan = physical.with_host_share(plan, pick.host_share)
+    share = min(assist.SHARE_MAX, max(assist.SHARE_MIN, pick.host_share))
+    plan = physical.with_host_share(plan, share)
     note = (
         f"host assist: the host runs stage '{first.name}' ({', '.join(first.nodes)}) for the "
         f"items while its agent is busy (about {pick.host_share:.0%} of them): "
@@ -524,7 +530,8 @@ def assisted_plan(
         explain={
             "host_assist": {
                 "stage": first.name,
-                "host_share": pick.host_share,
+                "host_share": share,  # where the runtime starts (the priced share, clamped)
+                "priced_share": pick.host_share,
                 "agent_per_s": pick.agent_per_s,
                 "throughput_per_s": pick.throughput_per_s,
                 "without": {

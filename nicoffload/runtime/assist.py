@@ -6,15 +6,18 @@ a batch closed while the host has none of its assisted rows left raises the shar
 host was idle), one closed while the host still has more than that batch's share to do lowers
 it (the host falls behind, and the agent's rows would wait behind its own). An agent that holds
 less than a batch is not busy: the batch goes to it whole. At most `ROOM` batches' rows are
-assisted at once, so the executor's queue never blocks the feeder on them.
+assisted at once, and the executor's queue has room for them beside its own bound (the
+feeder can still wait on it while the agent's rows fill it; never for ever: workers drain it).
 """
 
 from __future__ import annotations
 
 import threading
 
+from nicoffload.planner.assist import SHARE_MAX, SHARE_MIN
+
 STEP = 0.05  # the share's change per batch
-LOW, HIGH = 0.05, 0.95  # the share stays within (neither side is left idle for long)
+LOW, HIGH = SHARE_MIN, SHARE_MAX  # the share stays within (neither side idle for long)
 ROOM = 3  # batches' rows assisted at once
 # batch slots the executor adds: a batch whose rows the host shares is done when both parts
 # are, and batches come out in order, so the agent keeps working on later ones meanwhile

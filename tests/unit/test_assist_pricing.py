@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from nicoffload.errors import PlanError
 from nicoffload.graph import load_pipeline
@@ -124,3 +125,49 @@ def test_the_general_path_refuses_a_plan_with_host_assist():
     plan = physical.with_host_share(plan_placement(RESNET, mixed, BF3), 0.5)
     with pytest.raises(PlanError, match="host assist is run for a plan of"):
         Chain(RESNET, plan, workers=1)
+
+
+def variant(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_node_pinned_to_the_dpu_is_never_assisted_by_the_host(tmp_path):
+    doc = yaml.safe_load((ROOT / "pipelines" / "resnet50.yaml").read_text())
+    doc.pop("slo", None)
+    doc["placement"] = {"decode": ["dpu"]}
+    pinned = load_pipeline(variant(tmp_path, "p.yaml", yaml.safe_dump(doc, sort_keys=False)))
+    plan = plan_for(pinned, BF3, host_assist=True)
+    assert plan.placement["decode"] == "dpu0"
+    assert not physical.host_share(plan, plan.stages[0])
+
+
+def test_a_host_whose_memory_cannot_hold_the_stages_copy_is_not_assisted(tmp_path):
+    text = BF3.read_text()
+    assert "memory: 512GiB" in text
+    small = variant(tmp_path, "t.yaml", text.replace("memory: 512GiB", "memory: 250MB"))
+    plan = plan_for(RESNET, small, host_assist=True)
+    assert not any(physical.host_share(plan, s) for s in plan.stages)
+
+
+def test_host_assist_pinned_where_the_host_has_no_room_is_refused(tmp_path):
+    text = BF3.read_text()
+    assert "cores: 8, memory: 512GiB" in text and "cores: 16, memory: 32GiB" in text
+    busy = variant(
+        tmp_path,
+        "t.yaml",
+        text.replace("cores: 8, memory: 512GiB", "cores: 1, memory: 512GiB").replace(
+            "cores: 16, memory: 32GiB", "cores: 64, memory: 32GiB"
+        ),
+    )
+    decode_only = {"decode": "dpu0", "resize": "cpu", "crop": "cpu", "norm": "cpu"}
+    with pytest.raises(PlanError, match="no room beside"):
+        plan_placement(RESNET, decode_only, busy, host_assist=True)
+
+
+def test_a_plans_share_is_one_the_runtime_starts_from():
+    for topology in sorted((ROOT / "pipelines" / "topologies").glob("*.yaml")):
+        plan = plan_for(RESNET, topology, host_assist=True)
+        share = physical.host_share(plan, plan.stages[0])
+        assert share == 0 or assist.SHARE_MIN <= share <= assist.SHARE_MAX, topology.name
