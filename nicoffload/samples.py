@@ -81,7 +81,12 @@ def _tile(rng: np.random.Generator, th: int, tw: int) -> np.ndarray:
     src = _scaled(index, scale, bool(rng.random() < 0.5))
     oy = rng.integers(0, max(src.shape[0] - th, 0) + 1)
     ox = rng.integers(0, max(src.shape[1] - tw, 0) + 1)
-    return src[oy : oy + th, ox : ox + tw]
+    tile = src[oy : oy + th, ox : ox + tw]
+    if tile.shape[:2] != (th, tw):  # a source smaller than the cell: mirrored to fill it
+        # (the cell's rest was left as np.empty found it: the same item differed run to run)
+        pad = ((0, th - tile.shape[0]), (0, tw - tile.shape[1]), (0, 0))
+        tile = np.pad(tile, pad, mode="symmetric")
+    return tile
 
 
 def _image(rng: np.random.Generator) -> tuple[np.ndarray, int, int]:
