@@ -21,8 +21,8 @@ from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
 
 LIMIT = 16.0  # the factors tried: 1/LIMIT .. LIMIT
-GRID = 48  # grid steps per direction, 1 -> LIMIT: each about 6%
-STEPS = 30  # bisection steps on log(factor) within one grid step: far below a percent
+GRID = 24  # grid steps per direction, 1 -> LIMIT: each about 12% (a narrower window is missed)
+STEPS = 16  # bisection steps within one grid step: log(factor) to about 2e-6
 
 
 def scaled(model: CostModel, what: str, factor: float) -> CostModel:
