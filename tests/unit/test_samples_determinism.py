@@ -25,11 +25,7 @@ def test_a_cell_larger_than_every_source_photo_is_filled_whole():
 
 def test_an_item_is_the_same_in_every_process():
     # item 102 (1080x1920) has cells no scaled photo covers: they were left uninitialised
-    runs = {
-        subprocess.run(
-            [sys.executable, "-c", DIGEST, str(n)], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for n in (0, 5)
-    }
-    here = hashlib.sha256(samples.sample_image(102)[1]).hexdigest()
-    assert runs == {here}
+    there = subprocess.run(
+        [sys.executable, "-c", DIGEST, "5"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert there == hashlib.sha256(samples.sample_image(102)[1]).hexdigest()
