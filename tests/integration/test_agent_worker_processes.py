@@ -325,7 +325,7 @@ def test_large_images_cross_bounded_arenas_counted_in_the_budget(tmp_path):
 
 
 def test_restarting_worker_processes_leaks_no_descriptor_and_no_process(tmp_path):
-    """Five workers killed and started again within one open session (each session's own
+    """Three workers killed and started again within one open session (each session's own
     descriptors left aside): the agent holds as many descriptors as before, and no process
     but its two workers (and the resource tracker)."""
     path = "pipelines/resnet50.yaml"
@@ -342,13 +342,13 @@ def test_restarting_worker_processes_leaks_no_descriptor_and_no_process(tmp_path
                 return len(os.listdir(f"/proc/{a.pid}/fd"))
 
             before = fds()
-            for n in range(1, 6):
+            for n in range(1, 4):  # a descriptor or process left per restart shows at once
                 victim = workers_of(a)[0]
                 os.kill(victim, signal.SIGKILL)
                 assert wait_for(lambda v=victim: gone(v))
                 while stats(a)["pool"]["restarts"] < n:  # its rows run on the host meanwhile
                     assert session.run(items).ok.sum() >= 6
-            assert stats(a)["pool"]["restarts"] == 5
+            assert stats(a)["pool"]["restarts"] == 3
             assert len(workers_of(a)) == 2
             assert len(child_pids(a.pid)) <= 3
             assert wait_for(lambda: fds() <= before), (fds(), before)
