@@ -70,9 +70,13 @@ def render(plan: Plan, width: int = 120, seconds: float | None = None) -> list[A
             _ms(t.predicted_ms_per_item),
         )
     out.append(flow)
-    loads = Table(
-        title="load per item (the busiest resource bounds throughput)", title_justify="left"
-    )
+    title = "load per item (the busiest resource bounds throughput)"
+    if helped := ex.get("host_assist"):  # these loads are the agent's path alone
+        title = (
+            f"load per item of this placement without host assist (with it the host also runs "
+            f"stage {helped['stage']} for about {helped['host_share']:.0%} of the items)"
+        )
+    loads = Table(title=title, title_justify="left")
     for col in ("resource", "work", "capacity", "ms/item", ""):
         loads.add_column(col, justify="left" if col == "resource" else "right")
     top = ex.get("bottleneck", {}).get("resource")

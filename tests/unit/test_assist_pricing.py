@@ -171,3 +171,15 @@ def test_a_plans_share_is_one_the_runtime_starts_from():
         plan = plan_for(RESNET, topology, host_assist=True)
         share = physical.host_share(plan, plan.stages[0])
         assert share == 0 or assist.SHARE_MIN <= share <= assist.SHARE_MAX, topology.name
+
+
+def test_plan_says_its_load_table_is_the_placement_without_host_assist():
+    from typer.testing import CliRunner
+
+    from nicoffload.cli import build_app
+
+    args = ["plan", "pipelines/resnet50.yaml", "--topology", str(BF3), "--host-assist"]
+    result = CliRunner().invoke(build_app(), args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "load per item of this placement without host assist" in result.output
+    assert "host assist: the host runs stage 's0-dpu0'" in result.output
