@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from nicoffload.agent import auth
+from nicoffload.agent.local import LocalAgent
 from nicoffload.graph import Pipeline
 from nicoffload.planner.plan import Plan, stages_for
 from nicoffload.topology import Device, Link, Topology
@@ -47,3 +52,14 @@ def run_on_agent(pipeline: Any, items: Any, plan: Plan, agent: Any) -> Any:
         token_file=agent.token_file,
         workers=2,
     )
+
+
+@contextlib.contextmanager
+def token_agent(folder: Path) -> Iterator[LocalAgent]:
+    """A LocalAgent on one core with a fresh token in `folder`, its `token_file` set (as
+    `run_on_agent` reads it)."""
+    token = folder / "agent.token"
+    auth.write_token(token)
+    with LocalAgent(token, cores=1) as a:
+        a.token_file = token
+        yield a

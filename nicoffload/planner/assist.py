@@ -15,12 +15,18 @@ copy of the whole pipeline at whatever rate y every resource still has room for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
+from nicoffload.graph import Pipeline
+from nicoffload.planner import physical
+from nicoffload.planner.build import make_plan
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate, fast_path, stage_starts
+from nicoffload.planner.plan import Plan, Predicted
+from nicoffload.topology import Topology
 
 HOST = "cpu"  # the device the runtime runs an assisted (or failed-over) DPU stage on
 GAIN = 1.02  # an assisted plan is chosen over the plain best only for more than this
@@ -133,3 +139,72 @@ def choose(
         return None
     pick = max(found, key=lambda a: (a.throughput_per_s, -a.latency_ms, -a.host_cpu_ms_per_item))
     return pick if pick.throughput_per_s > plain_per_s * GAIN else None
+
+
+def assisted_plan(
+    pipeline: Pipeline,
+    topology: Topology,
+    model: CostModel,
+    goal: Goal,
+    pick: Assisted,
+    plain: Plan,
+) -> Plan | None:
+    """The plan of an assisted placement (`planner.assist.choose`), predicted as assisted,
+    its notes saying so beside the plain best's figures; None where its stage cannot run."""
+    plan = make_plan(pipeline, topology, model, goal, pick.placement)
+    first = plan.stages[0]
+    if first.name not in plan.physical:
+        return None
+    assert plain.predicted is not None and plan.predicted is not None
+    without = plan.predicted
+    share = min(SHARE_MAX, max(SHARE_MIN, pick.host_share))
+    plan = physical.with_host_share(plan, share)
+    note = (
+        f"host assist: the host runs stage '{first.name}' ({', '.join(first.nodes)}) for the "
+        f"items while its agent is busy (about {pick.host_share:.0%} of them): "
+        f"{pick.throughput_per_s:,.0f} items/s predicted, against {without.throughput_per_s:,.0f} "
+        f"for this placement without it and {plain.predicted.throughput_per_s:,.0f} for the "
+        "best plan without host assist"
+    )
+    return replace(
+        plan,
+        notes=(*plain.notes, note),
+        predicted=Predicted(
+            float(pick.latency_ms), float(pick.throughput_per_s), float(pick.host_cpu_ms_per_item)
+        ),
+        explain={
+            "host_assist": {
+                "stage": first.name,
+                "host_share": share,  # where the runtime starts (the priced share, clamped)
+                "priced_share": pick.host_share,
+                "agent_per_s": pick.agent_per_s,
+                "throughput_per_s": pick.throughput_per_s,
+                "without": {
+                    "throughput_per_s": without.throughput_per_s,
+                    "host_cpu_ms_per_item": without.host_cpu_ms_per_item,
+                },
+                "best_without": {
+                    "placement": dict(plain.placement),
+                    "throughput_per_s": plain.predicted.throughput_per_s,
+                    "host_cpu_ms_per_item": plain.predicted.host_cpu_ms_per_item,
+                },
+            }
+        },
+    )
+
+
+def explain_runner_up(why: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """`why` (an explanation whose runner-up is the best plan without host assist) with the
+    assisted plan's own figures and the runner-up's loss stated on its assisted throughput."""
+    assert plan.predicted is not None
+    why["host_assist"] = plan.explain["host_assist"]
+    if ru := why.get("runner_up"):
+        ru.update(
+            lost_on="throughput",
+            reason="throughput",
+            tied_on=None,
+            why=f"its throughput is {ru['predicted']['throughput_per_s']:,.0f} items/s "
+            f"against {plan.predicted.throughput_per_s:,.0f} with host assist",
+            would_win_if=[],  # the sensitivity scan prices plans without host assist
+        )
+    return why

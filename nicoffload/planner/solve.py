@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from nicoffload.errors import DeviceError, Mark, PlanError
+from nicoffload.errors import Mark, PlanError
 from nicoffload.graph import Pipeline
-from nicoffload.planner import assist, physical
+from nicoffload.planner import assist
+from nicoffload.planner.build import make_plan
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
-from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, Metrics, evaluate, figures
-from nicoffload.planner.fusion import applied
-from nicoffload.planner.plan import Plan, Predicted, TransferPlan, stages_for
+from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, evaluate
+from nicoffload.planner.plan import Plan
 from nicoffload.planner.runner_up import INFEASIBLE, runner_up, search_runner_up
 from nicoffload.profiles import Profile, load_profile
 from nicoffload.topology import Topology, load_topology, local_topology
@@ -283,7 +283,9 @@ def plan_for(
     pick = None
     if host_assist:
         pick = assist.choose(model, goal, allowed, best, plan.predicted.throughput_per_s)
-    if pick is not None and (helped := assisted_plan(pipeline, topo, model, goal, pick, plan)):
+    if pick is not None and (
+        helped := assist.assisted_plan(pipeline, topo, model, goal, pick, plan)
+    ):
         plan, best = helped, pick.placement
     runner_cut = False
     if explain:
@@ -307,17 +309,7 @@ def plan_for(
             )
         why = explanation(model, topo, goal, best, second, missing)
         if best is not plain:  # the runner-up lost on the assisted throughput
-            why["host_assist"] = plan.explain["host_assist"]
-            assert plan.predicted is not None
-            if ru := why.get("runner_up"):
-                ru.update(
-                    lost_on="throughput",
-                    reason="throughput",
-                    tied_on=None,
-                    why=f"its throughput is {ru['predicted']['throughput_per_s']:,.0f} items/s "
-                    f"against {plan.predicted.throughput_per_s:,.0f} with host assist",
-                    would_win_if=[],  # the sensitivity scan prices plans without host assist
-                )
+            why = assist.explain_runner_up(why, plan)
         plan = replace(plan, explain=why)
     record = _search_record(chain, gaps, time_limit_s, solves, cut, runner_cut)
     if best is not plain:  # how the assisted plan was chosen: not by the proven search
@@ -356,7 +348,9 @@ def plan_placement(
     plan = replace(make_plan(pipeline, topo, model, Goal("throughput"), best), notes=notes)
     if host_assist:
         pick = assist.assisted(model, best)
-        helped = pick and assisted_plan(pipeline, topo, model, Goal("throughput"), pick, plan)
+        helped = pick and assist.assisted_plan(
+            pipeline, topo, model, Goal("throughput"), pick, plan
+        )
         if not helped or pick is None:
             raise PlanError(
                 "host assist needs a placement whose first stage is a DPU stage the host can "
@@ -406,155 +400,3 @@ def profile_notes(profiles: dict[str, Profile]) -> tuple[str, ...]:
         what = f"profile {Path(p.source).name} ({how}{', ' + p.date if p.date else ''})"
         by.setdefault(what, []).append(dev)
     return tuple(f"{', '.join(devs)}: {what}" for what, devs in by.items())
-
-
-def _route_text(topology: Topology, src: str, dst: str) -> tuple[str, str | None]:
-    hops = topology.route(src, dst)
-    if not hops:
-        return "inproc", None
-    return "+".join(h.link.transport for h in hops), "->".join([src] + [h.dst for h in hops])
-
-
-def make_plan(
-    pipeline: Pipeline, topology: Topology, model: CostModel, goal: Goal, best: np.ndarray
-) -> Plan:
-    """The Plan of one placement, with every stage and transfer predicted by the model."""
-    placement = {name: model.devices[d] for name, d in zip(model.nodes, best, strict=True)}
-    m: Metrics = evaluate(model, best[None, :])
-    stages, transfers = stages_for(pipeline, placement)
-    index = {name: i for i, name in enumerate(model.nodes)}
-    fused = [g for g, on in zip(model.groups, applied(model, best[None, :])[0], strict=True) if on]
-    new_stages = []
-    for s in stages:
-        d = model.devices.index(s.device)
-        members = {index[n] for n in s.nodes}
-        ms = sum(model.cost[v, d] for v in members)
-        ms += sum(g.delta[d] for g in fused if set(g.nodes) <= members)
-        new_stages.append(replace(s, predicted_ms_per_item=round(float(ms), 6)))
-    refs = {r.label: r for r in model.refs}
-    device_of = {s.name: s.device for s in stages}
-    new_transfers = []
-    for t in transfers:
-        a, b = device_of[t.src_stage], device_of[t.dst_stage]
-        transport, link = _route_text(topology, a, b)
-        r = refs[t.tensor]
-        ms = r and model.ref_time(r, model.devices.index(a), model.devices.index(b))
-        new_transfers.append(
-            replace(
-                t,
-                transport=transport,
-                link=link,
-                bytes_per_item=int(r.nbytes),
-                predicted_ms_per_item=round(ms, 6),
-            )
-        )
-    io = []
-    stage_of = {n: s for s in stages for n in s.nodes}
-    for r in model.refs:
-        if r.src < 0:
-            for dev in sorted(
-                {placement[model.nodes[c]] for c in r.consumers} - {topology.ingress}
-            ):
-                first = next(
-                    stage_of[model.nodes[c]].name
-                    for c in r.consumers
-                    if placement[model.nodes[c]] == dev
-                )
-                io.append(_io(topology, model, r, topology.ingress, dev, "ingress", first))
-        elif r.output and placement[model.nodes[r.src]] != topology.egress:
-            src = placement[model.nodes[r.src]]
-            io.append(
-                _io(
-                    topology,
-                    model,
-                    r,
-                    src,
-                    topology.egress,
-                    stage_of[model.nodes[r.src]].name,
-                    "egress",
-                )
-            )
-    loads = {
-        k: round(float(x), 6) for k, x in zip(model.resources, m.load[0], strict=True) if x > 0
-    }
-    plan = Plan(
-        pipeline=pipeline.name,
-        placement=placement,
-        stages=tuple(new_stages),
-        transfers=tuple(new_transfers),
-        objective=goal.objective,
-        predicted=_predicted(model, m),
-        topology=topology.name,
-        ingress=topology.ingress,
-        egress=topology.egress,
-        io_transfers=tuple(io),
-        loads=loads,
-    )
-    try:
-        return physical.complete(pipeline, plan, topology)
-    except DeviceError as exc:  # the run says so too, before any agent starts
-        return replace(plan, notes=(*plan.notes, f"not runnable as it is: {exc}"))
-
-
-def assisted_plan(
-    pipeline: Pipeline,
-    topology: Topology,
-    model: CostModel,
-    goal: Goal,
-    pick: assist.Assisted,
-    plain: Plan,
-) -> Plan | None:
-    """The plan of an assisted placement (`planner.assist.choose`), predicted as assisted,
-    its notes saying so beside the plain best's figures; None where its stage cannot run."""
-    plan = make_plan(pipeline, topology, model, goal, pick.placement)
-    first = plan.stages[0]
-    if first.name not in plan.physical:
-        return None
-    assert plain.predicted is not None and plan.predicted is not None
-    without = plan.predicted
-    share = min(assist.SHARE_MAX, max(assist.SHARE_MIN, pick.host_share))
-    plan = physical.with_host_share(plan, share)
-    note = (
-        f"host assist: the host runs stage '{first.name}' ({', '.join(first.nodes)}) for the "
-        f"items while its agent is busy (about {pick.host_share:.0%} of them): "
-        f"{pick.throughput_per_s:,.0f} items/s predicted, against {without.throughput_per_s:,.0f} "
-        f"for this placement without it and {plain.predicted.throughput_per_s:,.0f} for the "
-        "best plan without host assist"
-    )
-    return replace(
-        plan,
-        notes=(*plain.notes, note),
-        predicted=Predicted(
-            float(pick.latency_ms), float(pick.throughput_per_s), float(pick.host_cpu_ms_per_item)
-        ),
-        explain={
-            "host_assist": {
-                "stage": first.name,
-                "host_share": share,  # where the runtime starts (the priced share, clamped)
-                "priced_share": pick.host_share,
-                "agent_per_s": pick.agent_per_s,
-                "throughput_per_s": pick.throughput_per_s,
-                "without": {
-                    "throughput_per_s": without.throughput_per_s,
-                    "host_cpu_ms_per_item": without.host_cpu_ms_per_item,
-                },
-                "best_without": {
-                    "placement": dict(plain.placement),
-                    "throughput_per_s": plain.predicted.throughput_per_s,
-                    "host_cpu_ms_per_item": plain.predicted.host_cpu_ms_per_item,
-                },
-            }
-        },
-    )
-
-
-def _predicted(model: CostModel, m: Metrics) -> Predicted:
-    return Predicted(**figures(model, m))
-
-
-def _io(
-    topology: Topology, model: CostModel, r, src: str, dst: str, src_stage: str, dst_stage: str
-) -> TransferPlan:
-    transport, link = _route_text(topology, src, dst)
-    ms = model.ref_time(r, model.devices.index(src), model.devices.index(dst))
-    return TransferPlan(src_stage, dst_stage, r.label, transport, int(r.nbytes), link, round(ms, 6))

@@ -34,6 +34,7 @@ class HostAssist:
         self.room = ROOM * batch_size
         self.extra_slots = EXTRA_SLOTS
         self.outstanding = 0  # assisted rows not finished yet
+        self.taken = 0  # rows taken in this call
         self._owed = 0.0  # the share of rows so far, less those taken
         self._lock = threading.Lock()
 
@@ -53,13 +54,14 @@ class HostAssist:
             k = max(0, min(int(self._owed), rows, self.room - self.outstanding))
             self._owed = min(self._owed - k, 1.0)  # a fraction carried: batches of one row
             self.outstanding += k
+            self.taken += k
             return k
 
     def begin_call(self) -> None:
         """A new call: the rows of an earlier one (finished, or abandoned with rows dropped
         unfinished) are no longer counted; the share learnt so far is kept."""
         with self._lock:
-            self.outstanding, self._owed = 0, 0.0
+            self.outstanding, self._owed, self.taken = 0, 0.0, 0
 
     def done(self, n: int = 1) -> None:
         """`n` assisted rows are finished (ok or failed)."""

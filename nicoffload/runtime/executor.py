@@ -165,12 +165,15 @@ class Executor:
         self.failed_over: str | None = None  # why the DPU stage's items went to the host
         self._failover: tuple[str, bool] | None = None  # (failed_over, the agent's end)
         self.taken_back = 0  # how many items ran the DPU stage here instead
-        self.assisted = 0  # how many items of this call ran the DPU stage here by host assist
+
+    @property
+    def assisted(self) -> int:
+        """How many items of the last call ran the DPU stage here by host assist."""
+        return self.assist.taken if self.assist is not None else 0
 
     def begin_call(self) -> None:
         """A new call of a session: its failover and transfer figures start afresh."""
         self.failed_over, self._failover, self.taken_back = None, None, 0
-        self.assisted = 0
         if self.front is not None:
             self.front.begin_call()
 
@@ -216,7 +219,7 @@ class Executor:
             self._calls += 1
             yield from self.direct.stream(items, self._calls << 32)
             return
-        room = self.assist.room if self.assist else 0  # assisted rows never block the feeder
+        room = self.assist.room if self.assist else 0  # the assisted rows, beside the bound
         work: queue.Queue[Any] = queue.Queue(maxsize=self.workers * 4 + room)
         source: queue.Queue[Any] = queue.Queue(maxsize=self.batch_size * 2)
         ready: dict[int, _Open] = {}
@@ -349,7 +352,6 @@ class Executor:
             k = self.assist.take(len(tasks), len(front.pending), work.qsize(), self.workers)
             if not k:
                 return tasks
-            self.assisted += k
             for task in tasks[len(tasks) - k :]:
                 task.route, task.assisted = self.fallback, True
                 put_unless(work, task, stop)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from agent_kill import run_killing_at
 from equivalence import assert_same_run, corpus
-from split_plans import agent_topology, plan_of
+from split_plans import agent_topology, plan_of, token_agent
 
 import nicoffload
 from nicoffload.agent import auth
@@ -28,10 +28,7 @@ CASES = {  # pipeline -> its nodes on the DPU (the rest on the host)
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    token = tmp_path_factory.mktemp("agent") / "agent.token"
-    auth.write_token(token)
-    with LocalAgent(token, cores=1) as a:
-        a.token_file = token
+    with token_agent(tmp_path_factory.mktemp("agent")) as a:
         yield a
 
 

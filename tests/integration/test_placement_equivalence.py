@@ -16,10 +16,8 @@ import pytest
 from equivalence import assert_same_run, corpus, pinned
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from split_plans import agent_topology, run_on_agent
+from split_plans import agent_topology, run_on_agent, token_agent
 
-from nicoffload.agent import auth
-from nicoffload.agent.local import LocalAgent
 from nicoffload.errors import PlanError
 from nicoffload.planner import plan_for
 from nicoffload.planner.plan import single_device_plan
@@ -29,10 +27,7 @@ SHIPPED = ["pipelines/resnet50.yaml", "pipelines/bert.yaml", "pipelines/clip.yam
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    token = tmp_path_factory.mktemp("agent") / "agent.token"
-    auth.write_token(token)
-    with LocalAgent(token, cores=1) as a:
-        a.token_file = token
+    with token_agent(tmp_path_factory.mktemp("agent")) as a:
         yield a
 
 
