@@ -118,7 +118,7 @@ def build_app() -> typer.Typer:
     """The app with every command registered (command modules register on `app` when imported)."""
     import importlib
 
-    for name in ("pipeline", "run", "plan", "profile", "p4", "serve", "loadgen"):
+    for name in ("pipeline", "run", "plan", "profile", "p4", "serve", "loadgen", "simulate"):
         importlib.import_module(f"nicoffload.cli.{name}")
     return app
 

@@ -1,0 +1,173 @@
+"""A discrete-event simulation of one server: Poisson arrivals of each pipeline of the mix,
+batched as the runtime's ingress batches them, through the stations of each item's route.
+
+Each station (a device, a directed hop of a link) has as many servers as the device's parallel
+capacity (a link: one); a batch takes as many as it has rows, up to all (the runtime splits a
+batch's rows over its workers), for its items' time there shared among them, a host stage's
+GIL-held part first, holding the pipeline's interpreter (one per pipeline: one process each).
+A batch closes when it is full or its first item has waited the pipeline's `max_wait_ms`, and
+is taken only while its first station holds fewer than DEPTH batches besides the one served (the
+runtime's backpressure: under load, batches grow to full size). Host assist sends a batch the
+host's way when the agent's station already holds a batch's items. Queues between later
+stations are unbounded (the runtime's are DEPTH deep; their blocking is not modelled). simpy
+runs the events; its clock is in ms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nicoffload.errors import MissingDependency
+from nicoffload.fleet.model import Route, StreamModel
+
+DEPTH = 2  # batches waiting between two stages (`runtime.chain.DEPTH`)
+
+
+@dataclass(frozen=True)
+class Offered:
+    """A stream offered to one server: a pipeline's model at a Poisson rate."""
+
+    model: StreamModel
+    rate_per_s: float
+
+
+@dataclass(frozen=True)
+class StreamRun:
+    """What one server did with one stream in the measured window (after the warm-up)."""
+
+    offered_per_s: float
+    goodput_per_s: float  # items completed in the window per second
+    latencies_ms: np.ndarray  # of the items that arrived in the window and completed
+    unfinished: int  # items that arrived in the window and had not completed at the end
+    host_cpu_ms: float  # host stations' ms of the items completed in the window
+    window_s: float
+    assisted: int = 0  # batches sent the host's way
+
+
+def _simpy():
+    try:
+        import simpy
+    except ImportError as exc:
+        raise MissingDependency("simpy", "fleet", "the fleet simulator") from exc
+    return simpy
+
+
+class _Server:
+    """The simulated server's shared state: its stations and what each holds."""
+
+    def __init__(self, simpy, capacity: Mapping[str, float], host, start_ms, end_ms) -> None:
+        self.simpy = simpy
+        self.env = simpy.Environment()
+        servers = {k: max(1, math.ceil(c)) for k, c in capacity.items()}
+        self.slow = {k: servers[k] / c for k, c in capacity.items()}
+        # free servers of each station: a batch takes as many as it has rows, up to all of them
+        self.res = {k: simpy.Container(self.env, n, init=n) for k, n in servers.items()}
+        self.held = dict.fromkeys(capacity, 0)  # items at each station, waiting or served
+        self.host = frozenset(host)
+        self.start_ms, self.end_ms = start_ms, end_ms
+
+
+def simulate_server(
+    capacity: Mapping[str, float],
+    host: frozenset[str] | set[str],
+    offered: Sequence[Offered],
+    duration_s: float,
+    seed: int = 0,
+    warmup_s: float | None = None,
+) -> list[StreamRun]:
+    """Run one server for `duration_s` of simulated time (then let the window's items finish,
+    for at most as long again). `capacity`: station -> its parallel servers (a fraction is
+    rounded up, the service slowed to match); `host`: the stations that are host CPU. The
+    first `warmup_s` (a tenth of the time by default) is left out of the figures."""
+    end_ms = duration_s * 1e3
+    start_ms = (duration_s * 0.1 if warmup_s is None else warmup_s) * 1e3
+    srv = _Server(_simpy(), capacity, host, start_ms, end_ms)
+    rng = np.random.default_rng(seed)
+    runs = []
+    for o in offered:
+        for v in (*o.model.route.visits, *(o.model.assist_route or Route((), 0)).visits):
+            if v.station not in srv.res:
+                raise ValueError(f"station '{v.station}' of {o.model.pipeline} has no capacity")
+        n = rng.poisson(o.rate_per_s * duration_s)
+        arrivals = np.sort(rng.uniform(0.0, end_ms, n))  # a Poisson process's arrival times
+        state = {"done": [], "host": 0.0, "assisted": 0}
+        srv.env.process(_batcher(srv, o.model, arrivals, state))
+        runs.append((o, arrivals, state))
+    srv.env.run(until=2 * end_ms)
+    out = []
+    window_s = (end_ms - start_ms) / 1e3
+    for o, arrivals, state in runs:
+        done = np.array(state["done"], dtype=float).reshape(-1, 2)  # (arrival, completion)
+        in_window = (done[:, 1] >= start_ms) & (done[:, 1] < end_ms)
+        arrived = (done[:, 0] >= start_ms) & (done[:, 0] < end_ms)
+        due = (arrivals >= start_ms) & (arrivals < end_ms)
+        out.append(
+            StreamRun(
+                o.rate_per_s,
+                float(in_window.sum()) / window_s,
+                np.sort(done[arrived, 1] - done[arrived, 0]),
+                int(due.sum() - arrived.sum()),
+                state["host"],
+                window_s,
+                state["assisted"],
+            )
+        )
+    return out
+
+
+def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict):
+    """Close batches from the arrivals as the runtime's ingress does, and send each on."""
+    env, size, wait = srv.env, model.batch_max_size, model.batch_max_wait_ms
+    first = model.route.visits[0].station if model.route.visits else None
+    gate = srv.simpy.Resource(env, DEPTH + 1) if first else None  # one in service, DEPTH queued
+    gil = srv.simpy.Resource(env, capacity=1)  # the pipeline's host process's interpreter
+    taken = 0
+    while taken < len(arrivals):
+        ticket = gate.request() if gate is not None else None
+        if ticket is not None:
+            yield ticket
+        if arrivals[taken] > env.now:
+            yield env.timeout(arrivals[taken] - env.now)
+        last = min(taken + size, len(arrivals)) - 1
+        close = min(arrivals[last], arrivals[taken] + wait)
+        if close > env.now:
+            yield env.timeout(close - env.now)
+        upto = min(taken + size, int(np.searchsorted(arrivals, env.now, side="right")))
+        route = model.route
+        if model.assist_route is not None and srv.held[model.assist_station] >= size:
+            route = model.assist_route
+            state["assisted"] += 1
+        env.process(_batch(srv, route, arrivals[taken:upto], gil, state, (gate, ticket)))
+        taken = upto
+
+
+def _batch(srv: _Server, route: Route, times: np.ndarray, gil, state: dict, admitted):
+    """One batch through its route's stations; its items' completion times into `state`."""
+    env, n = srv.env, len(times)
+    gate, ticket = admitted
+    for i, v in enumerate(route.visits):
+        srv.held[v.station] += n
+        cores = srv.res[v.station]
+        k = min(n, int(cores.capacity))  # the runtime splits a batch's rows over the workers
+        yield cores.get(k)
+        slow = srv.slow[v.station]
+        if v.serial_ms > 0:
+            with gil.request() as g:
+                yield g
+                yield env.timeout(n * v.serial_ms * slow)
+        yield env.timeout(n * (v.ms - v.serial_ms) * slow / k)
+        yield cores.put(k)
+        srv.held[v.station] -= n
+        if i == 0 and ticket is not None:
+            gate.release(ticket)
+    if not route.visits and ticket is not None:
+        gate.release(ticket)
+    if route.delay_ms > 0:
+        yield env.timeout(route.delay_ms)
+    if srv.start_ms <= env.now < srv.end_ms:
+        state["host"] += n * sum(v.ms for v in route.visits if v.station in srv.host)
+    state["done"].extend((t, env.now) for t in times)
