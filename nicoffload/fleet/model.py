@@ -11,7 +11,7 @@ propagation delay. Pure functions of their inputs, as the planner is: nothing is
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,12 +26,15 @@ POLICIES = ("all-host", "planner", "planner+assist", "min-host-cpu")
 
 @dataclass(frozen=True)
 class Visit:
-    """An item's service at one station: `ms` on one of its servers, of which `serial_ms`
-    with the host process's interpreter held (a host stage's GIL-held part)."""
+    """A batch's service at one station: `ms` per item and `batch_ms` per batch on its
+    servers, of which `serial_ms` per item and `serial_batch_ms` per batch with the host
+    process's interpreter held (a host stage's GIL-held part)."""
 
     station: str
     ms: float
     serial_ms: float = 0.0
+    batch_ms: float = 0.0
+    serial_batch_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,9 @@ class Route:
     visits: tuple[Visit, ...]
     delay_ms: float  # propagation on the links, no queue
 
-    @property
-    def ms(self) -> float:
-        return sum(v.ms for v in self.visits) + self.delay_ms
+    def ms(self, n: int) -> float:
+        """A batch of `n` items' time through the route with no queue."""
+        return sum(n * v.ms + v.batch_ms for v in self.visits) + self.delay_ms
 
 
 @dataclass(frozen=True)
@@ -66,20 +69,36 @@ class StreamModel:
     host: frozenset[str] = frozenset()
 
 
-def _route(plan: Plan, model: Any, best: np.ndarray) -> Route:
-    """The stations an item of `plan` visits, in order, with their service per item."""
+def _demand(model: Any, best: np.ndarray) -> tuple[dict[str, float], np.ndarray]:
+    """Each resource's ms per item under the placement (its work and the runtime's own), and
+    each device's ms per item of the host interpreter per stage."""
     from nicoffload.planner.evaluate import evaluate, fast_path
 
     m = evaluate(model, best[None, :])
     base = model.base if model.base is not None else np.zeros(len(model.resources))
-    demand = dict(zip(model.resources, m.work[0] + base, strict=True))
-    serial_row = (
-        model.serial[0 if fast_path(model, best[None, :])[0] else 1]
-        if (model.serial is not None)
-        else np.zeros(len(model.devices))
-    )
+    demand = {k: float(x) for k, x in zip(model.resources, m.work[0] + base, strict=True)}
+    if model.serial is None:
+        return demand, np.zeros(len(model.devices))
+    return demand, model.serial[0 if fast_path(model, best[None, :])[0] else 1]
+
+
+def _per_batch(at_size: float, at_one: float, size: int) -> tuple[float, float]:
+    """(per item, per batch) from a figure priced per item at batches of `size` and of 1:
+    the cost model shares a per-batch cost among a full batch's items, while the runtime's
+    batches are as full as the load makes them."""
+    if size <= 1:
+        return at_one, 0.0
+    batch = max(0.0, (at_one - at_size) * size / (size - 1))
+    return at_size - batch / size, batch
+
+
+def _route(plan: Plan, model: Any, single: Any, best: np.ndarray, size: int) -> Route:
+    """The stations an item of `plan` visits, in order, with their service; `model` prices
+    batches of `size`, `single` batches of one (the difference is the per-batch part)."""
+    demand, serial_row = _demand(model, best)
+    demand1, serial1 = _demand(single, best)
     visits: list[Visit] = []
-    placed: dict[str, float] = {}  # station -> ms already given to its visits
+    placed: dict[str, float] = {}  # station -> ms per item already given to its visits
     delay = 0.0
 
     def hops(transfers) -> None:
@@ -93,33 +112,38 @@ def _route(plan: Plan, model: Any, best: np.ndarray) -> Route:
             for a, b in itertools.pairwise(ends):
                 hop = f"{a}->{b}"
                 if hop not in placed and demand.get(hop, 0.0) > 0:
-                    visits.append(Visit(hop, float(demand[hop])))
+                    visits.append(Visit(hop, demand[hop]))
                     placed[hop] = demand[hop]
 
     hops(t for t in plan.io_transfers if t.src_stage == "ingress")
     for st in plan.stages:
         d = model.devices.index(st.device)
         ms = float(st.predicted_ms_per_item or 0.0)
-        serial = float(serial_row[d])
-        visits.append(Visit(st.device, ms, min(serial, ms) if model.host[d] else 0.0))
+        serial, serial_batch = _per_batch(float(serial_row[d]), float(serial1[d]), size)
+        if not model.host[d]:
+            serial = serial_batch = 0.0
+        # a stage's per-batch interpreter time is the runtime's per-batch work on the host:
+        # CPU time the cost model shares over a full batch, paid by every batch here
+        visits.append(Visit(st.device, ms, min(serial, ms), serial_batch, serial_batch))
         placed[st.device] = placed.get(st.device, 0.0) + ms
         hops(t for t in plan.transfers if t.src_stage == st.name)
         hops(t for t in plan.io_transfers if t.src_stage == st.name)
     # what a device does besides its stages (its ends of transfers, the runtime's own work):
     # on its first visit; a device with no stage (the ingress that only sends) is visited first
     for station, ms in demand.items():
-        rest = ms - placed.get(station, 0.0)
-        if rest <= 1e-12:
+        item, batch = _per_batch(ms, demand1[station], size)
+        rest = item - placed.get(station, 0.0)
+        if rest <= 1e-12 and batch <= 1e-12:
             continue
+        rest = max(0.0, rest)
         at = next((i for i, v in enumerate(visits) if v.station == station), None)
         if at is None:
-            visits.insert(
-                0 if station == plan.ingress else len(visits), Visit(station, float(rest))
-            )
+            where = 0 if station == plan.ingress else len(visits)
+            visits.insert(where, Visit(station, rest, 0.0, batch))
         else:
             v = visits[at]
-            visits[at] = Visit(station, float(v.ms + rest), v.serial_ms)
-    return Route(tuple(v for v in visits if v.ms > 0), delay)
+            visits[at] = replace(v, ms=v.ms + rest, batch_ms=v.batch_ms + batch)
+    return Route(tuple(v for v in visits if v.ms > 0 or v.batch_ms > 0), delay)
 
 
 def plan_of(pipeline: Pipeline, topology: Any, profiles: tuple[str, ...], policy: str) -> Plan:
@@ -149,25 +173,26 @@ def stream_model(
     from nicoffload.planner.solve import resolve_profiles
 
     plan = plan_of(pipeline, topology, profiles, policy)
-    model = build_model(
-        pipeline,
-        topology,
-        resolve_profiles(topology, list(profiles) or None),
-        Catalog.from_registry(),
-    )
-    best = np.array([model.devices.index(plan.placement[n]) for n in model.nodes], np.intp)
+    priced = resolve_profiles(topology, list(profiles) or None)
+    catalog = Catalog.from_registry()
+    model = build_model(pipeline, topology, priced, catalog)
+    single = build_model(replace(pipeline, batch_max_size=1), topology, priced, catalog)
+    size = pipeline.batch_max_size
+
+    def placed(p: Plan) -> np.ndarray:
+        return np.array([model.devices.index(p.placement[n]) for n in model.nodes], np.intp)
+
     assist_route = assist_station = None
     if any("host_share" in p for p in plan.physical.values()):
         host = plan_of(pipeline, topology, profiles, "all-host")
-        hbest = np.array([model.devices.index(host.placement[n]) for n in model.nodes], np.intp)
-        assist_route = _route(host, model, hbest)
+        assist_route = _route(host, model, single, placed(host), size)
         assist_station = plan.stages[0].device
     assert plan.predicted is not None
     return StreamModel(
         pipeline.name,
         policy,
-        _route(plan, model, best),
-        pipeline.batch_max_size,
+        _route(plan, model, single, placed(plan), size),
+        size,
         pipeline.batch_max_wait_ms,
         plan.predicted.host_cpu_ms_per_item,
         plan.predicted,

@@ -2,9 +2,11 @@
 batched as the runtime's ingress batches them, through the stations of each item's route.
 
 Each station (a device, a directed hop of a link) has as many servers as the device's parallel
-capacity (a link: one); a batch takes as many as it has rows, up to all (the runtime splits a
-batch's rows over its workers), for its items' time there shared among them, a host stage's
-GIL-held part first, holding the pipeline's interpreter (one per pipeline: one process each).
+capacity (a link: one), shared by every pipeline's stages on it. A stage serves one batch at a
+time (the runtime's stage threads do), taking as many servers as the batch has rows, up to all
+(the runtime splits a batch's rows over its workers), for the batch's time there shared among
+them, while its GIL-held part holds the pipeline's interpreter (one process per pipeline) in
+turn with the other stages: a batch there takes the longer of the two.
 A batch closes when it is full or its first item has waited the pipeline's `max_wait_ms`, and
 is taken only while its first station holds fewer than DEPTH batches besides the one served (the
 runtime's backpressure: under load, batches grow to full size). Host assist sends a batch the
@@ -33,6 +35,7 @@ class Offered:
 
     model: StreamModel
     rate_per_s: float
+    arrivals_ms: np.ndarray | None = None  # a trace of arrival times instead of Poisson ones
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,10 @@ def simulate_server(
         for v in (*o.model.route.visits, *(o.model.assist_route or Route((), 0)).visits):
             if v.station not in srv.res:
                 raise ValueError(f"station '{v.station}' of {o.model.pipeline} has no capacity")
-        n = rng.poisson(o.rate_per_s * duration_s)
-        arrivals = np.sort(rng.uniform(0.0, end_ms, n))  # a Poisson process's arrival times
+        if o.arrivals_ms is not None:
+            arrivals = np.sort(np.asarray(o.arrivals_ms, dtype=float))
+        else:  # a Poisson process's arrival times: a Poisson count, uniformly placed
+            arrivals = np.sort(rng.uniform(0.0, end_ms, rng.poisson(o.rate_per_s * duration_s)))
         state = {"done": [], "host": 0.0, "assisted": 0}
         srv.env.process(_batcher(srv, o.model, arrivals, state))
         runs.append((o, arrivals, state))
@@ -125,6 +130,11 @@ def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict
     first = model.route.visits[0].station if model.route.visits else None
     gate = srv.simpy.Resource(env, DEPTH + 1) if first else None  # one in service, DEPTH queued
     gil = srv.simpy.Resource(env, capacity=1)  # the pipeline's host process's interpreter
+    # a stage (a visit) serves one batch at a time, as each of the runtime's stage threads
+    stages = [srv.simpy.Resource(env, capacity=1) for _ in model.route.visits]
+    helped = [
+        srv.simpy.Resource(env, capacity=1) for _ in (model.assist_route or Route((), 0)).visits
+    ]
     taken = 0
     while taken < len(arrivals):
         ticket = gate.request() if gate is not None else None
@@ -137,30 +147,34 @@ def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict
         if close > env.now:
             yield env.timeout(close - env.now)
         upto = min(taken + size, int(np.searchsorted(arrivals, env.now, side="right")))
-        route = model.route
+        route, locks = model.route, stages
         if model.assist_route is not None and srv.held[model.assist_station] >= size:
-            route = model.assist_route
+            route, locks = model.assist_route, helped
             state["assisted"] += 1
-        env.process(_batch(srv, route, arrivals[taken:upto], gil, state, (gate, ticket)))
+        env.process(_batch(srv, route, locks, arrivals[taken:upto], gil, state, (gate, ticket)))
         taken = upto
 
 
-def _batch(srv: _Server, route: Route, times: np.ndarray, gil, state: dict, admitted):
+def _batch(srv: _Server, route: Route, locks, times: np.ndarray, gil, state: dict, admitted):
     """One batch through its route's stations; its items' completion times into `state`."""
     env, n = srv.env, len(times)
     gate, ticket = admitted
-    for i, v in enumerate(route.visits):
+    for i, (v, lock) in enumerate(zip(route.visits, locks, strict=True)):
         srv.held[v.station] += n
+        stage = lock.request()
+        yield stage
         cores = srv.res[v.station]
         k = min(n, int(cores.capacity))  # the runtime splits a batch's rows over the workers
         yield cores.get(k)
         slow = srv.slow[v.station]
-        if v.serial_ms > 0:
-            with gil.request() as g:
-                yield g
-                yield env.timeout(n * v.serial_ms * slow)
-        yield env.timeout(n * (v.ms - v.serial_ms) * slow / k)
+        work = env.timeout((n * v.ms + v.batch_ms) * slow / k)
+        serial = (n * v.serial_ms + v.serial_batch_ms) * slow
+        if serial > 0:  # the chunks hold the interpreter in turn while they run side by side
+            yield env.all_of([work, env.process(_hold(env, gil, serial))])
+        else:
+            yield work
         yield cores.put(k)
+        lock.release(stage)
         srv.held[v.station] -= n
         if i == 0 and ticket is not None:
             gate.release(ticket)
@@ -169,5 +183,12 @@ def _batch(srv: _Server, route: Route, times: np.ndarray, gil, state: dict, admi
     if route.delay_ms > 0:
         yield env.timeout(route.delay_ms)
     if srv.start_ms <= env.now < srv.end_ms:
-        state["host"] += n * sum(v.ms for v in route.visits if v.station in srv.host)
+        state["host"] += sum(n * v.ms + v.batch_ms for v in route.visits if v.station in srv.host)
     state["done"].extend((t, env.now) for t in times)
+
+
+def _hold(env, resource, ms: float):
+    """Hold `resource` for `ms` once it is free."""
+    with resource.request() as req:
+        yield req
+        yield env.timeout(ms)
