@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from dpu_agents import budget, procs, sharedslots
+from dpu_agents.config import AgentConfig
 from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
+from dpu_agents.rowarena import RowArena
 from dpu_agents.seen import SeenIds
 from dpu_agents.stagebuild import Built
 from nicoffload.errors import AgentError, ItemError, TransportError
@@ -200,6 +202,11 @@ class Session:
             if account is not None:
                 account.release(budget.BATCH, self.slot_bytes)
             raise
+        # per batch slot, where its rows' outputs of varying shape wait to be sent
+        ragged = any(not s.static for s in built.out_specs.values())
+        b = account.budget if account is not None else None
+        most = b.arena_most if b is not None else AgentConfig.max_arena_bytes
+        self._row_arenas = [RowArena(b, most) for _ in range(BATCHES_IN_FLIGHT if ragged else 0)]
         self._ingress: queue.Queue[Any] = queue.Queue()
         self._formed: queue.Queue[Any] = queue.Queue()
         self._seen = SeenIds(dedup_window)
@@ -299,11 +306,22 @@ class Session:
         if self.account is not None:
             self.account.release(budget.BATCH, self.slot_bytes)
 
+    def row_arena(self, slot: BatchSlot) -> RowArena:
+        """Where the rows of `slot`'s batch put their outputs of varying shape."""
+        return self._row_arenas[slot.index]
+
+    @property
+    def rows_fresh(self) -> int:
+        """Rows whose outputs of varying shape did not fit their slot's arena (fresh arrays)."""
+        return sum(a.fresh for a in self._row_arenas)
+
     def _free_slots(self) -> None:
         """The batch slots' memory goes now, as their budget is given back: a closed session
         sits in reference cycles until the garbage collector runs, and its slots with it (30
         sessions of 75 MB slots opened and closed held 577 MB, or 1 GB of /dev/shm, against a
         batch_bytes of 256 MiB)."""
+        for arena in self._row_arenas:
+            arena.close()
         if self._segment is not None:  # the workers forget the stage, then its slots go
             self.pool.drop(self.key)
             sharedslots.release(self._segment, self._views)
@@ -346,6 +364,8 @@ class Session:
             items = [it for p in pieces for it in p.items]
             self.metrics.depth(f"ingress:{self.name}", self._ingress.qsize())
             batch = _Batch(self._ring.take())
+            if self._row_arenas:
+                self._row_arenas[batch.slot.index].reset()
             batch.ids = [it.request_id for it in items]
             batch.credits = sum(p.last for p in pieces)
             batch.cost = (sum(it.cost[0] for it in items), sum(it.cost[1] for it in items))
@@ -382,6 +402,8 @@ class Session:
         slot = batch.slot
         arrays = list(slot.arrays.items())
         ragged = list(slot.ragged.items())
+        arena = self.row_arena(slot) if ragged else None
+        allocs = {k: arena.alloc for k, _ in ragged} if arena is not None else {}
         failed: dict[int, tuple[str, str]] = {}
         stamped: dict[str, list[int]] = {k: [] for k in slot.stamps.rows}
         seconds: list[float] = []
@@ -390,14 +412,15 @@ class Session:
         for row, values in job.left:
             t0 = clock()
             try:
-                written = process(values, {k: a[row] for k, a in arrays}, tally)
+                written = process(values, {k: a[row] for k, a in arrays} | allocs, tally)
                 for k, a in arrays:
                     if k in values:  # else unstamped: the row is sent as failed (`_send`)
                         if k not in written:
                             a[row] = values[k]
                         stamped[k].append(row)
                 for k, out in ragged:
-                    out[row] = np.array(values[k], copy=True)
+                    # in the slot's arena already (a kernel that allocates), or copied there
+                    out[row] = values[k] if k in written else arena.put(values[k])
                     stamped[k].append(row)
             except ItemError as exc:
                 failed[row] = (exc.reason, exc.detail)

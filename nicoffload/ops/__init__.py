@@ -221,6 +221,10 @@ class OpDef:
 
 
 KernelFn = Callable[..., Any]
+# What the runtime may pass as `out` for an output of varying shape, to a kernel whose `fn` has
+# `allocates = True`: called once with the output's shape and dtype, it gives the array the
+# kernel writes into and returns (a decoded image straight into the agent's batch buffer).
+Alloc = Callable[[tuple[int, ...], Any], Any]
 
 
 @dataclass(frozen=True)
@@ -253,7 +257,8 @@ class Kernel:
     output too (`kernel_consumers`; a decoder looks at them to decode smaller).
     `fn` returns one array, or a tuple in the op's output order for several outputs. When the
     runtime passes `out` (same structure; static shapes only), `fn` writes into it and returns
-    it. A returned array the kernel allocated itself may be a per-thread scratch buffer, valid
+    it; an `fn` with `allocates = True` may also be passed an `Alloc` for an output of varying
+    shape, and then returns the array it got from it. A returned array the kernel allocated itself may be a per-thread scratch buffer, valid
     until the same `fn` is next called on the same thread. Per-item failures raise ItemError.
     A `batched` kernel's `fn` takes a whole batch instead (`fn(*batch_inputs, failed=...)`,
     per-item failures recorded by row), which is how GPU kernels run.

@@ -16,7 +16,7 @@ import numpy as np
 
 from nicoffload.errors import ItemError
 from nicoffload.graph import Dim, TensorSpec
-from nicoffload.ops import Param, WiringError, kernel, op
+from nicoffload.ops import Alloc, Param, WiringError, kernel, op
 
 DEFAULT_MAX_PIXELS = 40_000_000
 
@@ -259,22 +259,29 @@ def decode_image_cpu(nodes, consumers):
     scratch = Scratch()
     sizes: dict[tuple[int, int], tuple[int, int]] = {}  # decoded_size per header size
 
-    def fn(data, out: np.ndarray | None = None) -> np.ndarray:
+    def fn(data, out: np.ndarray | Alloc | None = None) -> np.ndarray:
+        alloc = None
+        if out is not None and not isinstance(out, np.ndarray):
+            alloc, out = out, None  # an output of varying shape: decoded where alloc says
         if len(data) == 0:
             raise ItemError("empty", "0 bytes")
         fmt = sniff(bytes(data[:16]))
         if fmt == "png":
             px = _decode_png(data, color, max_pixels)
+            if alloc is not None:
+                out = alloc(px.shape, px.dtype)
         elif fmt != "jpeg":
             raise _unknown(data)
         else:
-            px = decode_jpeg(data, out)
+            px = decode_jpeg(data, out, alloc)
         if out is not None and px is not out:
             out[...] = px
             return out
         return px
 
-    def decode_jpeg(data, out):
+    fn.allocates = True  # type: ignore[attr-defined]
+
+    def decode_jpeg(data, out, alloc):
         try:
             h, w, space, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError as exc:
@@ -291,6 +298,8 @@ def decode_image_cpu(nodes, consumers):
         shape = (sh, sw, 4 if cmyk else channels)
         if out is not None and out.shape == shape and out.flags.c_contiguous and not cmyk:
             buf = out
+        elif alloc is not None and not cmyk:
+            buf = alloc(shape, np.uint8)
         else:
             buf = scratch.get("cmyk" if cmyk else "out", shape)
         try:
@@ -307,7 +316,8 @@ def decode_image_cpu(nodes, consumers):
         except ValueError as exc:
             raise ItemError(_error_reason(str(exc)), f"jpeg: {exc}") from None
         if cmyk:
-            rgb = scratch.get("out", (sh, sw, channels))
+            shape = (sh, sw, channels)
+            rgb = alloc(shape, np.uint8) if alloc is not None else scratch.get("out", shape)
             cmyk_convert(px, rgb)
             return rgb
         return px

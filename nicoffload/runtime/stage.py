@@ -30,6 +30,17 @@ class Step:
     writes: tuple[str, ...]  # value keys the last node produces, in op output order
     out_specs: tuple[TensorSpec, ...]
 
+    @property
+    def allocates(self) -> bool:
+        """Whether `fn` takes an allocator as `out` (`ops.Alloc`) for an output of varying
+        shape, and writes into what it gives."""
+        return getattr(self.fn, "allocates", False)
+
+
+def _into(dest: Any, value: Any) -> Any:
+    dest[...] = value
+    return dest
+
 
 def _key(node: Node, port: str) -> str:
     return node.name if port == "out" else f"{node.name}.{port}"
@@ -147,6 +158,10 @@ class Stage:
         """Run every step on one item; outputs with a destination are written straight into it.
         Returns the keys of `dests` it wrote (the caller stamps those rows as written).
 
+        A destination is an array (a static output's row), or an allocator (`ops.Alloc`: an
+        output of varying shape, called once with its shape and dtype): a kernel whose `fn`
+        says it `allocates` writes into what it returns; another's result is copied there.
+
         `values` maps value keys to inputs and receives the produced values. Each call's time
         is added to `times()`: at once, or to `tally` when one is given (the caller then `add`s
         it, once for many items). ItemError propagates.
@@ -162,9 +177,11 @@ class Stage:
                 if len(step.writes) == 1:
                     out = dests.get(step.writes[0])
                     targets: tuple[Any, ...] = (out,)
+                    if out is not None and not hasattr(out, "shape") and not step.allocates:
+                        out = None  # an allocator, to a kernel that does not take one
                 else:
                     targets = tuple(dests.get(k) for k in step.writes)
-                    out = targets if all(d is not None for d in targets) else None
+                    out = targets if all(hasattr(d, "shape") for d in targets) else None
                 t0, c0 = clock(), thread_clock()
                 try:
                     result = step.fn(*args, out=out)
@@ -175,7 +192,11 @@ class Stage:
                 results = (result,) if len(step.writes) == 1 else result
                 for key, value, target in zip(step.writes, results, targets, strict=True):
                     if target is not None:
-                        if value is not target:  # not direct, or a kernel that ignored `out`
+                        if target is out and not hasattr(target, "shape"):
+                            pass  # the kernel wrote into what it took from the allocator
+                        elif not hasattr(target, "shape"):  # copied into an allocated one
+                            value = _into(target(value.shape, value.dtype), value)
+                        elif value is not target:  # not direct, or a kernel that ignored `out`
                             target[...] = value
                         written.append(key)
                     values[key] = value
