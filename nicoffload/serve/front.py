@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from nicoffload.serve import eventloop
 from nicoffload.serve import frontwire as wire
 from nicoffload.serve.batcher import Outcome, Pending
 from nicoffload.serve.kserve import RequestError
@@ -156,7 +157,7 @@ async def run(control: socket.socket, cfg: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
     drain = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, drain.set)
-    writer.write(wire.frame(("ready", os.getpid())))
+    writer.write(wire.frame(("ready", os.getpid(), eventloop.chosen())))
 
     async def messages() -> str:
         while True:
@@ -202,7 +203,7 @@ def main(argv: list[str]) -> int:
     from nicoffload.serve.threads import name_os_threads
 
     name_os_threads()
-    return asyncio.run(run(control, cfg))
+    return eventloop.run(run(control, cfg))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ class Front:
     proc: subprocess.Popen
     link: FrontLink
     pid: int = 0
+    event_loop: str = ""  # what it runs on (`eventloop.chosen()` there)
 
 
 class Fronts:
@@ -121,6 +122,12 @@ class Fronts:
     def pids(self) -> list[int]:
         return [f.pid for f in self.fronts if f is not None]
 
+    @property
+    def event_loop(self) -> str:
+        """The fronts' event loop ("uvloop" | "asyncio"; both, comma-separated, should they
+        differ)."""
+        return ",".join(sorted({f.event_loop for f in self.fronts if f is not None}))
+
     def start(self) -> None:
         """Every front started (side by side: each takes a second or two to import) and
         listening."""
@@ -175,7 +182,8 @@ class Fronts:
             raise RuntimeError(f"front {i} did not start (exit {proc.returncode})")
         mine.settimeout(None)
         req, resp = self.segments[i]
-        front = Front(i, proc, FrontLink(self.batcher, mine, req, resp, self.slot_bytes), hello[1])
+        link = FrontLink(self.batcher, mine, req, resp, self.slot_bytes)
+        front = Front(i, proc, link, hello[1], hello[2])
         self.links.append(front.link)
         self.fronts[i] = front
         threading.Thread(
@@ -236,11 +244,15 @@ class Fronts:
                 f.proc.kill()
                 f.proc.wait()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         counts = [dataclasses.asdict(link.counts) for link in self.links]
         names = [f.name for f in dataclasses.fields(LinkCounts)]
-        total = {k: sum(c[k] for c in counts) for k in names}
-        return total | {"restarts": self.restarts, "lost_in_flight": self.lost_in_flight}
+        total: dict[str, Any] = {k: sum(c[k] for c in counts) for k in names}
+        return total | {
+            "restarts": self.restarts,
+            "lost_in_flight": self.lost_in_flight,
+            "event_loop": self.event_loop,
+        }
 
     def close(self) -> None:
         self.closing = True

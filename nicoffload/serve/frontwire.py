@@ -9,7 +9,7 @@ outputs come back in the response slot of the same index, and the slot is free a
 front has encoded the response. What does not fit a slot (or finds none free) travels in the
 frame itself, and is counted (`inline`).
 
-The messages: the front's `("ready", pid)` and `("drained", pid)`; `("reqs", [request, ..])`,
+The messages: the front's `("ready", pid, event loop)` (`eventloop.chosen()`) and `("drained", pid)`; `("reqs", [request, ..])`,
 the requests a front had ready in one turn of its event loop, each `(id, slot, in slot,
 layout or items, arrived, parsed, deadline)`; `("anss", [answer, ..])`, the answers decided
 in one round of the batcher, each `(id, status, error, timings, retry, decided, where,

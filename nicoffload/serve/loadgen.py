@@ -305,7 +305,12 @@ def _share(
     this kernel reads alike): its results, wall time and CPU seconds."""
     time.sleep(max(0.0, at - time.monotonic()))
     cpu = time.process_time()
-    results, wall = asyncio.run(run_load(url, bodies, duration_s, rate, concurrency, token, seed))
+    from nicoffload.serve import eventloop
+
+    results, wall = eventloop.run(
+        run_load(url, bodies, duration_s, rate, concurrency, token, seed),
+        eventloop.requested() or "asyncio",
+    )
     return results, wall, time.process_time() - cpu
 
 

@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 import nicoffload
 from nicoffload.samples import sample_images
+from nicoffload.serve import eventloop
 from nicoffload.serve.loadgen import arrivals
 
 FRONTS = ("--fronts", "2")
@@ -165,6 +166,13 @@ def test_a_front_killed_under_load_is_restarted_and_no_answer_is_wrong(
         assert s.stop() == 0
     stats = front_stats(s.log)
     assert stats["restarts"] == 1 and stats["lost_in_flight"] <= got.count("connection")
+
+
+def test_the_fronts_say_which_event_loop_they_ran_on(plan, tmp_path, monkeypatch):
+    monkeypatch.setenv(eventloop.ENV, "asyncio")  # the fronts inherit serve's environment
+    s = Served(["--plan", str(plan), *FRONTS], tmp_path / "serve.log")
+    assert s.stop() == 0
+    assert front_stats(s.log)["event_loop"] == "asyncio"
 
 
 @pytest.fixture
