@@ -3,12 +3,16 @@ on the local topology (the host CPU plus an emulated DPU: a local agent on its o
 Poisson arrivals at a few rates, and the simulator (`nicoffload.fleet`) is run for the same
 topology, plan and rates; throughput, host CPU per item and p99 side by side, with the error.
 
-    python bench/bench_simulate.py [--policies all-host,planner] [--loads 0.3,0.6,0.9,1.3]
+    python bench/bench_simulate.py [--policies all-host,planner,planner+assist]
+                                   [--loads 0.3,0.6,0.9,1.3]
                                    [--duration 8] [--out FILE.json]
 
 Loads are fractions of the planner's predicted throughput of each policy's plan. A request's
 latency runs from when it was due to when its batch came out of `Session.stream`; host CPU is
-this process's CPU time per item (the agent's is the DPU's). The first second is warm-up.
+this process's CPU time per item (the agent's is the DPU's). The first second is warm-up. The
+machine is shared: the share of a core a busy thread got just before and after each run is
+measured (`cpu_share`), and the simulator is run twice, with the profiled capacities and with
+the CPU devices' capacity times that share (`simulated_at_cpu_share`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_prediction import typical_jpegs
 
 import nicoffload
-from nicoffload.fleet.model import stream_model
+from nicoffload.fleet.model import plan_of, stream_model
 from nicoffload.fleet.sim import Offered, simulate_server
 from nicoffload.graph import with_typical
 from nicoffload.procstat import agent_cpu_s
@@ -84,10 +88,22 @@ def measure(session, images: list[bytes], due: np.ndarray, duration: float) -> d
     }
 
 
-def simulated(model, due: np.ndarray, duration: float) -> dict:
+def cpu_share(seconds: float = 0.5) -> float:
+    """The share of one core a busy thread of this process gets now: 1 on an idle machine,
+    less when other work takes the cores (this machine is shared)."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - w0 < seconds:
+        pass
+    return min(1.0, (time.process_time() - c0) / (time.perf_counter() - w0))
+
+
+def simulated(model, due: np.ndarray, duration: float, share: float = 1.0) -> dict:
+    """The simulator on the same arrivals; `share` < 1 gives each CPU device (the host and the
+    emulated DPU, both this machine's cores) that share of its capacity."""
     rate = len(due) / duration
     offered = [Offered(model, rate, due * 1e3)]
-    (run,) = simulate_server(model.capacity, model.host, offered, duration, warmup_s=WARMUP_S)
+    capacity = {k: c * share if k in ("cpu", "dpu0") else c for k, c in model.capacity.items()}
+    (run,) = simulate_server(capacity, model.host, offered, duration, warmup_s=WARMUP_S)
     done = run.goodput_per_s * run.window_s
     return {
         "offered_per_s": round(rate, 1),
@@ -104,7 +120,7 @@ def error(sim: float | None, real: float) -> float | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="all-host,planner")
+    ap.add_argument("--policies", default="all-host,planner,planner+assist")
     ap.add_argument("--loads", default="0.3,0.6,0.9,1.3")
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--pipeline", default="pipelines/resnet50.yaml")
@@ -118,26 +134,29 @@ def main() -> int:
     rows = []
     for policy in args.policies.split(","):
         model = stream_model(pipeline, topology, (), policy)
-        plan = nicoffload.planner.plan_placement(pipeline, model.placement, topology)
+        plan = plan_of(pipeline, topology, (), policy)
         cap = model.predicted.throughput_per_s
         with nicoffload.open(pipeline, plan, topology) as s:
             s.run(images[:16])  # warm: kernels compiled, the agent's stage loaded
             for i, frac in enumerate(float(x) for x in args.loads.split(",")):
                 rate = frac * cap
                 due = poisson(rate, args.duration, seed=i)
+                before = cpu_share()
                 real = measure(s, images, due, args.duration)
+                share = (before + cpu_share()) / 2  # the share the run had, about
+                real["cpu_share"] = round(share, 3)
                 sim = simulated(model, due, args.duration)
-                errs = {
-                    k: error(sim[k], real[k])
-                    for k in ("throughput_per_s", "host_cpu_ms_per_item", "p99_ms")
-                }
+                at_share = simulated(model, due, args.duration, share)
+                keys = ("throughput_per_s", "host_cpu_ms_per_item", "p99_ms")
                 row = {
                     "policy": policy,
                     "placement": model.placement,
                     "load": frac,
                     "measured": real,
                     "simulated": sim,
-                    "error": errs,
+                    "error": {k: error(sim[k], real[k]) for k in keys},
+                    "simulated_at_cpu_share": at_share,
+                    "error_at_cpu_share": {k: error(at_share[k], real[k]) for k in keys},
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
