@@ -48,3 +48,10 @@ def test_a_mistake_in_the_fleet_file_exits_2_naming_its_line(tmp_path: Path) -> 
 def test_an_unknown_policy_exits_2_with_a_suggestion() -> None:
     out = simulate(EXAMPLE, "--policy", "planer")
     assert out.returncode == 2 and "did you mean 'planner'" in out.stderr
+
+
+def test_plot_draws_the_policies_into_a_png(tmp_path: Path) -> None:
+    png = tmp_path / "fleet.png"
+    out = simulate(EXAMPLE, "--policy", "all-host", "--duration", "0.5", "--plot", png)
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
