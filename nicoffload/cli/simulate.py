@@ -92,4 +92,5 @@ def simulate(
     if json_out:
         emit_json(doc)
     else:
-        Console().print(table(doc))
+        console = Console()
+        Console(width=max(console.width, 100)).print(table(doc))  # one line per policy

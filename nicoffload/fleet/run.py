@@ -49,7 +49,8 @@ class PolicyResult:
     offered_per_s: float
     goodput_per_s: float
     host_cpu_cores: float  # host cores busy, fleet-wide
-    host_cpu_saved_cores: float  # against all-host serving this policy's goodput
+    # against all-host's host CPU per item at the same load (simulated), at this goodput
+    host_cpu_saved_cores: float
     host_cpu_saved_share: float  # of all-host's host CPU at that goodput
     p50_ms: float | None
     p99_ms: float | None
@@ -115,51 +116,61 @@ def simulate(
     simulated time (the fleet file's by default; the first tenth is warm-up)."""
     duration = duration_s or fleet.duration_s
     seed = fleet.seed if seed is None else seed
-    n = fleet.count
     pipelines = [_pipeline(d.pipeline, d.typical) for d in fleet.mix]
     topologies = [server_topology(k) for k in fleet.servers]
-    baseline: dict[tuple[int, int], float] = {}  # (kind, demand) -> all-host host ms per item
+    runs = {
+        p: _policy(fleet, pipelines, topologies, p, duration, seed)
+        for p in dict.fromkeys(("all-host", *policies))
+    }
+    # (kind, pipeline) -> the host ms per item all-host spends at this load, simulated on the
+    # same arrivals: its batches are as full as this load makes them, as the policy's are
+    baseline = {(s.kind, s.pipeline): s.host_cpu_ms_per_item for s, _ in runs["all-host"]}
+    return FleetResult(
+        fleet.name, fleet.count, duration, tuple(_result(p, runs[p], baseline) for p in policies)
+    )
+
+
+def _policy(fleet, pipelines, topologies, policy, duration, seed):
+    """(StreamResult, its representative's StreamRun) per kind and pipeline under `policy`."""
+    out = []
     for i, k in enumerate(fleet.servers):
-        for j, p in enumerate(pipelines):
-            m = stream_model(p, topologies[i], k.profiles, "all-host")
-            baseline[i, j] = m.host_cpu_ms_per_item
-    results = []
-    for policy in policies:
-        streams, samples, saved, base_cpu, host_cores = [], [], 0.0, 0.0, 0.0
-        for i, k in enumerate(fleet.servers):
-            models = [
-                with_nic(stream_model(p, topologies[i], k.profiles, policy), k.nic, _bytes(p))
-                for p in pipelines
-            ]
-            capacity = {s: c for m in models for s, c in (m.capacity or {}).items()}
-            host = frozenset().union(*(m.host for m in models))
-            offered = [Offered(m, d.rate_per_s / n) for m, d in zip(models, fleet.mix, strict=True)]
-            runs = simulate_server(capacity, host, offered, duration, seed + i)
-            for j, (m, run) in enumerate(zip(models, runs, strict=True)):
-                streams.append(_stream(k.name, k.count, m, run))
-                samples.append((run.latencies_ms, float(k.count)))
-                done = run.goodput_per_s * k.count
-                sim_ms = streams[-1].host_cpu_ms_per_item
-                saved += done * (baseline[i, j] - sim_ms) / 1e3
-                base_cpu += done * baseline[i, j] / 1e3
-                host_cores += run.host_cpu_ms / 1e3 / run.window_s * k.count
-        p50, p99 = _quantiles(samples)
-        goodput = sum(s.goodput_per_s for s in streams)
-        results.append(
-            PolicyResult(
-                policy,
-                round(sum(s.offered_per_s for s in streams), 3),
-                round(goodput, 3),
-                round(host_cores, 4),
-                round(saved, 4),
-                round(saved / base_cpu, 4) if base_cpu > 0 else 0.0,
-                p50,
-                p99,
-                any(s.goodput_per_s < 0.98 * s.offered_per_s for s in streams),
-                tuple(streams),
-            )
-        )
-    return FleetResult(fleet.name, n, duration, tuple(results))
+        models = [
+            with_nic(stream_model(p, topologies[i], k.profiles, policy), k.nic, _bytes(p))
+            for p in pipelines
+        ]
+        capacity = {s: c for m in models for s, c in (m.capacity or {}).items()}
+        host = frozenset().union(*(m.host for m in models))
+        share = [
+            Offered(m, d.rate_per_s / fleet.count) for m, d in zip(models, fleet.mix, strict=True)
+        ]
+        for m, run in zip(
+            models, simulate_server(capacity, host, share, duration, seed + i), strict=True
+        ):
+            out.append((_stream(k.name, k.count, m, run), run))
+    return out
+
+
+def _result(policy: str, runs, baseline: dict[tuple[str, str], float]) -> PolicyResult:
+    saved = base_cpu = host_cores = 0.0
+    for s, run in runs:
+        base = baseline[s.kind, s.pipeline]
+        saved += s.goodput_per_s * (base - s.host_cpu_ms_per_item) / 1e3
+        base_cpu += s.goodput_per_s * base / 1e3
+        host_cores += run.host_cpu_ms / 1e3 / run.window_s * s.servers
+    streams = tuple(s for s, _ in runs)
+    p50, p99 = _quantiles([(run.latencies_ms, float(s.servers)) for s, run in runs])
+    return PolicyResult(
+        policy,
+        round(sum(s.offered_per_s for s in streams), 3),
+        round(sum(s.goodput_per_s for s in streams), 3),
+        round(host_cores, 4),
+        round(saved, 4),
+        round(saved / base_cpu, 4) if base_cpu > 0 else 0.0,
+        p50,
+        p99,
+        any(s.goodput_per_s < 0.98 * s.offered_per_s for s in streams),
+        streams,
+    )
 
 
 def _bytes(p: Pipeline) -> float:

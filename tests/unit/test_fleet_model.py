@@ -59,10 +59,10 @@ def test_host_assist_gives_the_host_a_copy_of_the_pipeline(pipeline, topology) -
     assert {v.station for v in m.assist_route.visits} & {"cpu"}
 
 
-def fleet_file(tmp_path: Path, count: int, rate: float) -> Path:
+def fleet_file(tmp_path: Path, count: int, rate: float, topology: Path = TOPOLOGY) -> Path:
     path = tmp_path / f"fleet-{count}.yaml"
     path.write_text(
-        f"servers:\n  bf3: {{count: {count}, topology: {TOPOLOGY}}}\n"
+        f"servers:\n  bf3: {{count: {count}, topology: {topology}}}\n"
         f"mix:\n  - {{pipeline: {PIPELINE}, rate: {rate}}}\n"
     )
     return path
@@ -82,6 +82,15 @@ def test_all_host_saves_no_host_cpu_and_the_planner_saves_some(tmp_path: Path) -
     host, planned = result.policies
     assert host.host_cpu_saved_cores == 0.0
     assert planned.host_cpu_saved_cores > 0 and 0 < planned.host_cpu_saved_share <= 1
+
+
+def test_all_host_saves_nothing_at_a_rate_whose_batches_are_small(tmp_path: Path) -> None:
+    # edge-25g: requests reach the host over tcp, whose per-batch CPU each small batch pays
+    edge = ROOT / "pipelines" / "topologies" / "edge-25g.yaml"
+    result = simulate(load_fleet(fleet_file(tmp_path, 1, 50, edge)), ["all-host"], 4.0)
+    (host,) = result.policies
+    assert host.streams[0].host_cpu_ms_per_item > host.streams[0].predicted_host_cpu_ms_per_item
+    assert host.host_cpu_saved_cores == 0.0
 
 
 def test_a_fleet_offered_more_than_it_can_serve_is_saturated(tmp_path: Path) -> None:

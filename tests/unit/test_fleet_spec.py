@@ -46,7 +46,8 @@ def test_a_fleet_file_gives_server_kinds_counts_and_the_mix(tmp_path: Path) -> N
     fleet = load_fleet(_write(tmp_path, GOOD))
     (kind,) = fleet.servers
     assert (kind.name, kind.count, kind.cores) == ("bf3", 10, (("cpu", 4),))
-    assert kind.nic.bandwidth == pytest.approx(12.5e9) and kind.nic.latency_ms == pytest.approx(0.01)
+    assert kind.nic.bandwidth == pytest.approx(12.5e9)
+    assert kind.nic.latency_ms == pytest.approx(0.01)
     (demand,) = fleet.mix
     assert demand.rate_per_s == 5000 and demand.typical == {"image": {"height": 480, "width": 640}}
     assert (fleet.duration_s, fleet.count) == (2.0, 10)
