@@ -113,3 +113,19 @@ def test_cores_of_a_device_the_topology_lacks_are_refused(tmp_path: Path) -> Non
     with pytest.raises(FleetError) as info:
         server_topology(load_fleet(_write(tmp_path, text)).servers[0])
     assert "cores of 'cpu9'" in str(info.value) and info.value.mark.line == 4
+
+
+def test_a_kind_without_a_count_is_refused_at_the_kind(tmp_path: Path) -> None:
+    err = _error(tmp_path, GOOD.replace("    count: 10\n", ""))
+    assert err.mark.line == 5 and "'count' is required" in str(err)
+
+
+def test_a_bad_duration_is_refused_at_its_value(tmp_path: Path) -> None:
+    err = _error(tmp_path, GOOD.replace("duration: 2s", "duration: soon"))
+    assert (err.mark.line, err.mark.column) == (2, 11) and "a time like 10s" in str(err)
+
+
+def test_a_server_kind_that_is_not_a_mapping_is_refused_at_it(tmp_path: Path) -> None:
+    text = GOOD[: GOOD.index("  bf3:")] + "  bf3: 12\n" + GOOD[GOOD.index("mix:") :]
+    err = _error(tmp_path, text)
+    assert (err.mark.line, err.mark.column) == (4, 8) and "must be a mapping" in str(err)
