@@ -23,20 +23,25 @@ def _elements(arr: np.ndarray) -> list[bytes]:
     return [e if isinstance(e, bytes) else str(e).encode() for e in arr.reshape(-1).tolist()]
 
 
-def encode_raw(arr: np.ndarray) -> tuple[str, bytes]:
+def encode_raw(arr: np.ndarray, copy: bool = True) -> tuple[str, bytes | memoryview]:
     """An output's datatype and raw bytes (the binary extension's, or gRPC's
-    raw_output_contents): BYTES elements length-prefixed, any other datatype little-endian."""
+    raw_output_contents): BYTES elements length-prefixed, any other datatype little-endian.
+    Not `copy`: a view of `arr`'s own bytes where they are already those (valid as long as
+    `arr` is)."""
     datatype = datatype_of(arr.dtype)
     if datatype == "BYTES":
         return datatype, pack_bytes(_elements(arr))
-    return datatype, np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).tobytes()
+    raw = np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))
+    return datatype, raw.tobytes() if copy else memoryview(raw.reshape(-1).view(np.uint8))
 
 
-def _tensor_json(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+def _tensor_json(
+    name: str, arr: np.ndarray, binary: bool, copy: bool
+) -> tuple[dict[str, Any], bytes | memoryview | None]:
     datatype = datatype_of(arr.dtype)
     out: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
     if binary:
-        _, raw = encode_raw(arr)
+        _, raw = encode_raw(arr, copy)
         out["parameters"] = {"binary_data_size": len(raw)}
         return out, raw
     if datatype == "BYTES":
@@ -63,21 +68,23 @@ def infer_response(
 
 
 def response_parts(
-    model: str, req: InferRequest, outputs: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], list[bytes]]:
+    model: str, req: InferRequest, outputs: Mapping[str, np.ndarray], copy: bool = True
+) -> tuple[dict[str, Any], list[bytes | memoryview]]:
     """The costly half of `infer_response`: the response's JSON document (without its
     parameters) and the outputs' binary blobs, so that the time it takes can be among the
-    parameters `assemble_response` then adds."""
+    parameters `assemble_response` then adds. Not `copy`: the blobs are views of the outputs
+    where they can be, which must stay as they are until `assemble_response` has copied them
+    into the body (one copy of each output, not two)."""
     names = answered_outputs(req, outputs)
     doc: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
     if req.id is not None:
         doc["id"] = req.id
-    blobs: list[bytes] = []
+    blobs: list[bytes | memoryview] = []
     for name in names:
         binary = (
             req.binary_output if req.outputs is None else req.outputs[name] or req.binary_output
         )
-        entry, raw = _tensor_json(name, np.asarray(outputs[name]), binary)
+        entry, raw = _tensor_json(name, np.asarray(outputs[name]), binary, copy)
         doc["outputs"].append(entry)
         if raw is not None:
             blobs.append(raw)
@@ -85,7 +92,8 @@ def response_parts(
 
 
 def assemble_response(
-    parts: tuple[dict[str, Any], list[bytes]], parameters: Mapping[str, Any] | None = None
+    parts: tuple[dict[str, Any], list[bytes | memoryview]],
+    parameters: Mapping[str, Any] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """`response_parts`' document with `parameters`, and its blobs: the body and headers."""
     doc, blobs = parts

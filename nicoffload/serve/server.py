@@ -40,6 +40,9 @@ OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 # each of its wakeups can wait milliseconds, which set serving's tail); larger ones and JSON
 # tensors go to a thread, so that one costly request does not hold up the others.
 INLINE_BYTES = 1 << 20
+# A response body this large goes out apart from its headers (`_send_apart`); a smaller one
+# with them, in one write
+APART_BYTES = 64 << 10
 TIMEOUT_HEADER = "Nicoffload-Timeout-Us"  # the request's deadline, as Triton's `timeout` parameter
 
 
@@ -236,19 +239,22 @@ class Server:
         names = kserve_out.answered_outputs(req, outcome.outputs)
         binary = req.binary_output or all((req.outputs or {}).get(k) for k in names)
         size = sum(np.asarray(outcome.outputs[k]).nbytes for k in names)
+        model = self.config.model_name
         try:
-            if binary and size <= INLINE_BYTES:
-                parts = kserve_out.response_parts(self.config.model_name, req, outcome.outputs)
+            if binary and size <= INLINE_BYTES:  # views of the outputs, copied once into the body
+                parts = kserve_out.response_parts(model, req, outcome.outputs, copy=False)
             else:  # off the event loop: encoding a large response must not hold up the others
                 parts = await asyncio.get_running_loop().run_in_executor(
-                    None, kserve_out.response_parts, self.config.model_name, req, outcome.outputs
+                    None, kserve_out.response_parts, model, req, outcome.outputs
                 )
-        finally:  # the parts are copies: what the outputs point into is free again
+            params = self.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
+            body, headers = kserve_out.assemble_response(parts, params)
+        finally:  # the body is a copy: what the outputs point into is free again
             if outcome.release is not None:
                 outcome.release()
-        params = self.timings(outcome, arrived, arrived_ns, resumed, time.perf_counter())
-        body, headers = kserve_out.assemble_response(parts, params)
-        return web.Response(body=body, headers=headers)
+        if len(body) < APART_BYTES:
+            return web.Response(body=body, headers=headers)
+        return await _send_apart(request, body, headers)
 
     def timings(
         self, outcome: Outcome, arrived: float, arrived_ns: int, resumed: float, encoded: float
@@ -274,8 +280,9 @@ class Server:
             raise RequestError(
                 f"request of {request.content_length} bytes, more than the limit of {limit}", 413
             )
-        try:
-            body = await asyncio.wait_for(request.read(), self.config.read_timeout_s)
+        try:  # a timer, not wait_for's task per request
+            async with asyncio.timeout(self.config.read_timeout_s):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(f"request body over the limit of {limit} bytes", 413) from None
         except TimeoutError:
@@ -311,6 +318,23 @@ class Server:
             log.info("draining: %d requests in flight", self.in_flight)
         self.draining = True
         await self._idle.wait()
+
+
+async def _send_apart(
+    request: web.Request, body: bytes, headers: dict[str, str]
+) -> web.StreamResponse:
+    """A large body written as it is, its headers in a write of their own: aiohttp (3.12 and
+    later, on Python before 3.12.9) joins the headers and the body of a `web.Response` into
+    one new bytes, an allocation and a copy of the whole answer per request."""
+    response = web.StreamResponse(headers=headers)
+    response.content_length = len(body)
+    writer = await response.prepare(request)
+    send_headers = getattr(writer, "send_headers", None)  # before 3.12 prepare sent them
+    if send_headers is not None:
+        send_headers()
+    await response.write(body)
+    await response.write_eof()
+    return response
 
 
 def _small_binary(body: bytes, header_length: str | None) -> bool:
