@@ -68,9 +68,14 @@ def one(
     ok = max(1, r["ok"])
     by = {k: round((v - threads0.get(k, 0.0)) / ok * 1e6) for k, v in threads1.items()}
     stats = re.findall(r"nicoffload\.serve: fronts: (\{.*\})", log.read_text())
+    fronts_stats = json.loads(stats[-1]) if stats else {}
     return {
         "tree": str(tree),
-        "event_loop": loop or eventloop.chosen(),
+        "event_loop": loop or "default",
+        # what ran, as the fronts said (a tree from before they said it: asyncio's)
+        "fronts_event_loop": fronts_stats.get("event_loop", "asyncio (not said)"),
+        "load_event_loop": load_loop or front_loop or "asyncio",
+        "ready_event_loop": s.doc.get("event_loop"),  # serve's line, where it says one
         "ok": r["ok"],
         "goodput_per_s": r["goodput_per_s"],
         "p50_ms": r["latency_ms"]["p50"],
@@ -81,7 +86,7 @@ def one(
         "by_thread_us": {k: v for k, v in by.items() if v},
         "fronts_us_per_request": round((fronts1 - fronts0) / ok * 1e6),
         "load_us_per_request": round(r["client_cpu_ms_per_request"] * 1e3),
-        "fronts_stats": json.loads(stats[-1]) if stats else None,
+        "fronts_stats": fronts_stats or None,
     }
 
 
@@ -126,13 +131,13 @@ def main() -> None:
             runs = [
                 r
                 for r in doc["runs"]
-                if r["tree"] == str(tree) and r["event_loop"] == (loop or eventloop.chosen())
+                if r["tree"] == str(tree) and r["event_loop"] == (loop or "default")
             ]
             over = [r["overhead_us_per_request"] for r in runs]
             fronts = [r["fronts_us_per_request"] for r in runs]
             load_ = [r["load_us_per_request"] for r in runs]
             print(
-                f"{tree} {runs[0]['event_loop']}: serve's overhead {over} us/request, fronts "
+                f"{tree} fronts on {runs[0]['fronts_event_loop']}: serve's overhead {over} us/request, fronts "
                 f"{fronts}, load processes {load_}"
             )
 
