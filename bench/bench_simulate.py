@@ -65,7 +65,9 @@ def measure(session, images: list[bytes], due: np.ndarray, duration: float) -> d
     done = np.empty(len(due))
     at = 0
     cpu_w = agent_w = None
+    batches = 0
     for batch in session.stream(items()):
+        batches += 1
         now = time.perf_counter() - t0
         done[at : at + len(batch)] = now
         at += len(batch)
@@ -84,6 +86,7 @@ def measure(session, images: list[bytes], due: np.ndarray, duration: float) -> d
         "p50_ms": round(float(np.percentile(lat, 50)), 3),
         "p99_ms": round(float(np.percentile(lat, 99)), 3),
         "items": int(at),
+        "mean_batch": round(at / max(1, batches), 2),
         "wall_s": round(wall, 2),
     }
 
@@ -111,6 +114,7 @@ def simulated(model, due: np.ndarray, duration: float, share: float = 1.0) -> di
         "host_cpu_ms_per_item": round(run.host_cpu_ms / done, 4) if done else None,
         "p50_ms": round(float(np.percentile(run.latencies_ms, 50)), 3),
         "p99_ms": round(float(np.percentile(run.latencies_ms, 99)), 3),
+        "mean_batch": round(len(due) / max(1, run.batches), 2),
     }
 
 

@@ -42,10 +42,6 @@ class Route:
     visits: tuple[Visit, ...]
     delay_ms: float  # propagation on the links, no queue
 
-    def ms(self, n: int) -> float:
-        """A batch of `n` items' time through the route with no queue."""
-        return sum(n * v.ms + v.batch_ms for v in self.visits) + self.delay_ms
-
 
 @dataclass(frozen=True)
 class StreamModel:

@@ -6,8 +6,10 @@ are spread evenly over the servers (random balancing), and a Poisson stream spli
 independent Poisson streams of the shares' rates, so every server of a kind sees the same
 independent load and behaves as the representative does. The cost is then one server's events
 per kind (a 1,000-server fleet of two kinds simulates as two servers), where simulating every
-server would cost 500 times more and tell nothing more; what one kind's servers do to another
-(a shared pool, a cross-server planner) would need more, and is not modelled.
+server would cost 500 times more and tell nothing more (the percentiles are estimated from one
+server's items, so their noise is one server's: a longer `duration` narrows it); what one kind's
+servers do to another (a shared pool, a cross-server planner) would need more, and is not
+modelled.
 """
 
 from __future__ import annotations

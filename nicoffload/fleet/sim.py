@@ -8,11 +8,11 @@ time (the runtime's stage threads do), taking as many servers as the batch has r
 them, while its GIL-held part holds the pipeline's interpreter (one process per pipeline) in
 turn with the other stages: a batch there takes the longer of the two.
 A batch closes when it is full or its first item has waited the pipeline's `max_wait_ms`, and
-is taken only while its first station holds fewer than DEPTH batches besides the one served (the
-runtime's backpressure: under load, batches grow to full size). Host assist sends a batch the
-host's way when the agent's station already holds a batch's items. Queues between later
-stations are unbounded (the runtime's are DEPTH deep; their blocking is not modelled). simpy
-runs the events; its clock is in ms.
+only once the first stage's queue has room; each stage's queue holds DEPTH batches and a stage
+whose next queue is full holds its batch (the runtime's bounded queues): under load the
+backpressure reaches the ingress and batches grow to full size, as the runtime's do. Host
+assist sends a batch the host's way when the agent's station already holds a batch's items.
+simpy runs the events; its clock is in ms.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class StreamRun:
     host_cpu_ms: float  # host stations' ms of the items completed in the window
     window_s: float
     assisted: int = 0  # batches sent the host's way
+    batches: int = 0  # batches closed, in all (their mean size: the items over them)
 
 
 def _simpy():
@@ -99,7 +100,7 @@ def simulate_server(
             arrivals = np.sort(np.asarray(o.arrivals_ms, dtype=float))
         else:  # a Poisson process's arrival times: a Poisson count, uniformly placed
             arrivals = np.sort(rng.uniform(0.0, end_ms, rng.poisson(o.rate_per_s * duration_s)))
-        state = {"done": [], "host": 0.0, "assisted": 0}
+        state = {"done": [], "host": 0.0, "assisted": 0, "batches": 0}
         srv.env.process(_batcher(srv, o.model, arrivals, state))
         runs.append((o, arrivals, state))
     srv.env.run(until=2 * end_ms)
@@ -119,27 +120,35 @@ def simulate_server(
                 state["host"],
                 window_s,
                 state["assisted"],
+                state["batches"],
             )
         )
     return out
 
 
+class _Stages:
+    """A route's stages: each serves one batch at a time (as each of the runtime's stage
+    threads does) from a queue of at most DEPTH batches before it; a stage whose next queue is
+    full holds its batch, and so stops taking the next (the runtime's bounded queues)."""
+
+    def __init__(self, srv: _Server, route: Route) -> None:
+        self.route = route
+        self.lock = [srv.simpy.Resource(srv.env, capacity=1) for _ in route.visits]
+        self.queue = [srv.simpy.Resource(srv.env, capacity=DEPTH) for _ in route.visits]
+
+
 def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict):
     """Close batches from the arrivals as the runtime's ingress does, and send each on."""
     env, size, wait = srv.env, model.batch_max_size, model.batch_max_wait_ms
-    first = model.route.visits[0].station if model.route.visits else None
-    gate = srv.simpy.Resource(env, DEPTH + 1) if first else None  # one in service, DEPTH queued
+    main = _Stages(srv, model.route)
+    helped = _Stages(srv, model.assist_route) if model.assist_route is not None else None
     gil = srv.simpy.Resource(env, capacity=1)  # the pipeline's host process's interpreter
-    # a stage (a visit) serves one batch at a time, as each of the runtime's stage threads
-    stages = [srv.simpy.Resource(env, capacity=1) for _ in model.route.visits]
-    helped = [
-        srv.simpy.Resource(env, capacity=1) for _ in (model.assist_route or Route((), 0)).visits
-    ]
     taken = 0
     while taken < len(arrivals):
-        ticket = gate.request() if gate is not None else None
-        if ticket is not None:
-            yield ticket
+        # the ingress closes a batch when the first stage's queue has room for it
+        place = main.queue[0].request() if main.route.visits else None
+        if place is not None:
+            yield place
         if arrivals[taken] > env.now:
             yield env.timeout(arrivals[taken] - env.now)
         last = min(taken + size, len(arrivals)) - 1
@@ -147,22 +156,32 @@ def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict
         if close > env.now:
             yield env.timeout(close - env.now)
         upto = min(taken + size, int(np.searchsorted(arrivals, env.now, side="right")))
-        route, locks = model.route, stages
-        if model.assist_route is not None and srv.held[model.assist_station] >= size:
-            route, locks = model.assist_route, helped
+        stages, queued = main, (main.queue[0], place) if place is not None else None
+        if helped is not None and srv.held[model.assist_station] >= size:
+            stages = helped  # the host's copy: its own stages, this batch queued first there
+            if place is not None:
+                main.queue[0].release(place)
+            queued = None
             state["assisted"] += 1
-        env.process(_batch(srv, route, locks, arrivals[taken:upto], gil, state, (gate, ticket)))
+        state["batches"] += 1
+        env.process(_batch(srv, stages, arrivals[taken:upto], gil, state, queued))
         taken = upto
 
 
-def _batch(srv: _Server, route: Route, locks, times: np.ndarray, gil, state: dict, admitted):
-    """One batch through its route's stations; its items' completion times into `state`."""
+def _batch(srv: _Server, stages: _Stages, times: np.ndarray, gil, state: dict, queued):
+    """One batch through its route's stages; its items' completion times into `state`.
+    `queued`: its place in the first stage's queue, where it holds one already."""
     env, n = srv.env, len(times)
-    gate, ticket = admitted
-    for i, (v, lock) in enumerate(zip(route.visits, locks, strict=True)):
+    visits = stages.route.visits
+    if queued is None and visits:
+        place = stages.queue[0].request()
+        yield place
+        queued = (stages.queue[0], place)
+    for i, v in enumerate(visits):
         srv.held[v.station] += n
-        stage = lock.request()
+        stage = stages.lock[i].request()
         yield stage
+        queued[0].release(queued[1])  # taken off the queue by its stage
         cores = srv.res[v.station]
         k = min(n, int(cores.capacity))  # the runtime splits a batch's rows over the workers
         yield cores.get(k)
@@ -174,16 +193,17 @@ def _batch(srv: _Server, route: Route, locks, times: np.ndarray, gil, state: dic
         else:
             yield work
         yield cores.put(k)
-        lock.release(stage)
+        if i + 1 < len(visits):  # the stage holds the batch until the next queue has room
+            place = stages.queue[i + 1].request()
+            yield place
+            queued = (stages.queue[i + 1], place)
+        stages.lock[i].release(stage)
         srv.held[v.station] -= n
-        if i == 0 and ticket is not None:
-            gate.release(ticket)
-    if not route.visits and ticket is not None:
-        gate.release(ticket)
-    if route.delay_ms > 0:
-        yield env.timeout(route.delay_ms)
+    if stages.route.delay_ms > 0:
+        yield env.timeout(stages.route.delay_ms)
     if srv.start_ms <= env.now < srv.end_ms:
-        state["host"] += sum(n * v.ms + v.batch_ms for v in route.visits if v.station in srv.host)
+        host = sum(n * v.ms + v.batch_ms for v in visits if v.station in srv.host)
+        state["host"] += host
     state["done"].extend((t, env.now) for t in times)
 
 

@@ -85,6 +85,14 @@ def test_under_backlog_batches_fill_so_a_per_batch_cost_is_shared() -> None:
     assert out.goodput_per_s == pytest.approx(800.0, rel=0.02)
 
 
+def test_a_later_bottleneck_holds_back_the_ingress_so_batches_fill() -> None:
+    # the stages' bounded queues carry the backpressure of stage b to the ingress: full
+    # batches of 8 reach b, whose 10 ms per batch then gives 800 items/s
+    model = stream(Visit("a", 0.01), Visit("b", 0.0, batch_ms=10.0), size=8, wait_ms=2.0)
+    out = run(model, {"a": 1, "b": 1}, 2000.0, 20.0)
+    assert out.goodput_per_s == pytest.approx(800.0, rel=0.02)
+
+
 def test_a_link_delay_adds_to_every_latency() -> None:
     base = run(stream(Visit("cpu", 1.0)), {"cpu": 1}, 1.0, 100.0)
     model = StreamModel(
