@@ -110,9 +110,10 @@ def pack(
         k = int(np.argmax(over)) if over.any() else -1
         move, score_best = None, np.inf
         for ci, (c, d) in enumerate(zip(cls, devs, strict=True)):
-            who = np.flatnonzero(late[ci] > 0)
+            late_or_on_k = late[ci] > 0  # as union1d of the two, without its sorting
             if k >= 0:
-                who = np.union1d(who, np.flatnonzero(use[ci][:, k] > 0))
+                late_or_on_k |= use[ci][:, k] > 0
+            who = np.flatnonzero(late_or_on_k)
             if len(who) > MOVERS:
                 who = rng.choice(who, MOVERS, replace=False)
             if not len(who):

@@ -6,6 +6,7 @@ latency search, and a runner-up taken from the plan's tied neighbours."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from test_planner_properties import (
 from nicoffload.planner.branches import bucket_key, bucketed, chain_classes, suffixes
 from nicoffload.planner.cost import CostModel, TensorRef, routes
 from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
+from nicoffload.planner.flow import placement
 from nicoffload.planner.milp import solve_milp
 from nicoffload.planner.runner_up import search_runner_up
 from nicoffload.planner.ties import neighbours, tied_neighbour
@@ -171,3 +173,37 @@ def test_neighbours_are_one_move_away_and_allowed() -> None:
     assert model.allowed[np.arange(model.n), P].all()
     single = moved == 1
     assert single.sum() == (model.allowed.sum() - model.n)  # every other allowed device
+
+
+def _least_host(model: CostModel) -> float:
+    allowed = [np.flatnonzero(model.allowed[v]) for v in range(model.n)]
+    m = evaluate(model, np.array(list(itertools.product(*allowed))))
+    return float(m.host[m.feasible(Goal("host-cpu"))].min())
+
+
+def _host_stage(model: CostModel):
+    from nicoffload.planner.parallel import _min_h, _Search
+
+    s = _Search(model, chain_classes(model), time.perf_counter() + 60.0)
+    return _min_h(s, np.inf, np.inf), s
+
+
+def test_a_packing_without_host_cpu_is_the_least_without_highs() -> None:
+    """Where no device's memory is capped (a capped one may leave HiGHS to decide)."""
+    model = next(
+        m
+        for m in map(mixed_chains, range(200))
+        if not np.isfinite(m.mem_cap).any() and _least_host(m) == 0
+    )
+    stage, s = _host_stage(model)
+    assert stage.value <= 1e-12 and stage.gap == 0 and s.solves == 0
+    placed = placement(model, s.classes, stage.best.paths)
+    m = evaluate(model, placed[None, :])
+    assert m.feasible(Goal("host-cpu"))[0] and m.host[0] <= 1e-12
+
+
+def test_the_host_stage_asks_highs_when_every_packing_uses_the_host() -> None:
+    model = next(m for m in map(mixed_chains, range(200)) if _least_host(m) > 1e-9)
+    stage, s = _host_stage(model)
+    assert s.solves > 0
+    assert stage.value == pytest.approx(_least_host(model), rel=1e-6, abs=1e-9)
