@@ -55,14 +55,16 @@ class StreamModel:
     host_cpu_ms_per_item: float  # the planner's prediction
     predicted: Predicted
     placement: dict[str, str]
-    # host assist: a batch takes the host's copy of the pipeline (`assist_route`) when the
-    # agent's station (`assist_station`) already holds a batch's items (`runtime.assist`)
+    # host assist: the host's copy of the pipeline (`assist_route`) takes a share of a batch's
+    # rows, starting at `assist_share`, when the agent's station (`assist_station`) already
+    # holds a batch's items (`runtime.assist`)
     assist_route: Route | None = None
     assist_station: str | None = None
     # station -> its parallel servers (a device's capacity; a link's hop: 1), and which are
     # the host's CPU
     capacity: dict[str, float] | None = None
     host: frozenset[str] = frozenset()
+    assist_share: float = 0.0
 
 
 def _demand(model: Any, best: np.ndarray) -> tuple[dict[str, float], np.ndarray]:
@@ -179,10 +181,12 @@ def stream_model(
         return np.array([model.devices.index(p.placement[n]) for n in model.nodes], np.intp)
 
     assist_route = assist_station = None
+    share = 0.0
     if any("host_share" in p for p in plan.physical.values()):
         host = plan_of(pipeline, topology, profiles, "all-host")
         assist_route = _route(host, model, single, placed(host), size)
         assist_station = plan.stages[0].device
+        share = float(plan.physical[plan.stages[0].name]["host_share"])
     assert plan.predicted is not None
     return StreamModel(
         pipeline.name,
@@ -197,4 +201,5 @@ def stream_model(
         assist_station,
         {k: float(c) for k, c in zip(model.resources, model.divisor, strict=True)},
         frozenset(d for d, h in zip(model.devices, model.host, strict=True) if h),
+        share,
     )

@@ -11,7 +11,8 @@ A batch closes when it is full or its first item has waited the pipeline's `max_
 only once the first stage's queue has room; each stage's queue holds DEPTH batches and a stage
 whose next queue is full holds its batch (the runtime's bounded queues): under load the
 backpressure reaches the ingress and batches grow to full size, as the runtime's do. Host
-assist sends a batch the host's way when the agent's station already holds a batch's items.
+assist gives the host's copy of the pipeline a share of a batch's rows when the agent's station
+already holds a batch's, the share adapted as the runtime's controller adapts it.
 simpy runs the events; its clock is in ms.
 """
 
@@ -25,8 +26,10 @@ import numpy as np
 
 from nicoffload.errors import MissingDependency
 from nicoffload.fleet.model import Route, StreamModel
+from nicoffload.planner.assist import SHARE_MAX, SHARE_MIN
 
 DEPTH = 2  # batches waiting between two stages (`runtime.chain.DEPTH`)
+ASSIST_STEP, ASSIST_ROOM = 0.05, 3  # `runtime.assist`: the share's step, batches assisted at once
 
 
 @dataclass(frozen=True)
@@ -137,11 +140,33 @@ class _Stages:
         self.queue = [srv.simpy.Resource(srv.env, capacity=DEPTH) for _ in route.visits]
 
 
+class _Assist:
+    """How many rows of a batch the host takes while the agent is busy, adapted batch by
+    batch as the runtime's controller does (`runtime.assist.HostAssist`)."""
+
+    def __init__(self, share: float, size: int) -> None:
+        self.share = min(SHARE_MAX, max(SHARE_MIN, share))
+        self.size = size
+        self.outstanding = 0  # the host's assisted rows not finished yet
+
+    def rows(self, n: int, agent_busy: bool) -> int:
+        if not agent_busy:  # an agent that holds less than a batch takes it whole
+            return 0
+        if self.outstanding == 0:  # the host was idle
+            self.share = min(SHARE_MAX, self.share + ASSIST_STEP)
+        elif self.outstanding > self.share * n:  # the host falls behind
+            self.share = max(SHARE_MIN, self.share - ASSIST_STEP)
+        k = min(round(self.share * n), max(0, ASSIST_ROOM * self.size - self.outstanding))
+        self.outstanding += k
+        return k
+
+
 def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict):
     """Close batches from the arrivals as the runtime's ingress does, and send each on."""
     env, size, wait = srv.env, model.batch_max_size, model.batch_max_wait_ms
     main = _Stages(srv, model.route)
     helped = _Stages(srv, model.assist_route) if model.assist_route is not None else None
+    assist = _Assist(model.assist_share, size) if helped is not None else None
     gil = srv.simpy.Resource(env, capacity=1)  # the pipeline's host process's interpreter
     taken = 0
     while taken < len(arrivals):
@@ -156,22 +181,38 @@ def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict
         if close > env.now:
             yield env.timeout(close - env.now)
         upto = min(taken + size, int(np.searchsorted(arrivals, env.now, side="right")))
-        stages, queued = main, (main.queue[0], place) if place is not None else None
-        if helped is not None and srv.held[model.assist_station] >= size:
-            stages = helped  # the host's copy: its own stages, this batch queued first there
-            if place is not None:
-                main.queue[0].release(place)
-            queued = None
+        times = arrivals[taken:upto]
+        queued = (main.queue[0], place) if place is not None else None
+        k = assist.rows(len(times), srv.held[model.assist_station] >= size) if assist else 0
+        parts = [_batch(srv, main, len(times) - k, gil, queued)]
+        if k:  # the host runs its copy of the pipeline for k of the rows
             state["assisted"] += 1
+            parts.append(_batch(srv, helped, k, gil, None))
+            if k == len(times):
+                parts.pop(0)
+                if place is not None:
+                    main.queue[0].release(place)
         state["batches"] += 1
-        env.process(_batch(srv, stages, arrivals[taken:upto], gil, state, queued))
+        env.process(_deliver(srv, parts, times, state, assist if k else None, k))
         taken = upto
 
 
-def _batch(srv: _Server, stages: _Stages, times: np.ndarray, gil, state: dict, queued):
-    """One batch through its route's stages; its items' completion times into `state`.
-    `queued`: its place in the first stage's queue, where it holds one already."""
-    env, n = srv.env, len(times)
+def _deliver(srv: _Server, parts, times: np.ndarray, state: dict, assist, k: int):
+    """A batch is done when its parts are (the agent's rows and the host's); into `state`."""
+    env = srv.env
+    procs = [env.process(p) for p in parts]
+    if assist is not None:
+        procs[-1].callbacks.append(lambda _: setattr(assist, "outstanding", assist.outstanding - k))
+    yield env.all_of(procs)
+    if srv.start_ms <= env.now < srv.end_ms:
+        state["host"] += sum(p.value for p in procs)
+    state["done"].extend((t, env.now) for t in times)
+
+
+def _batch(srv: _Server, stages: _Stages, n: int, gil, queued):
+    """`n` rows through a route's stages; returns the host ms they took. `queued`: their place
+    in the first stage's queue, where they hold one already."""
+    env = srv.env
     visits = stages.route.visits
     if queued is None and visits:
         place = stages.queue[0].request()
@@ -183,7 +224,7 @@ def _batch(srv: _Server, stages: _Stages, times: np.ndarray, gil, state: dict, q
         yield stage
         queued[0].release(queued[1])  # taken off the queue by its stage
         cores = srv.res[v.station]
-        k = min(n, int(cores.capacity))  # the runtime splits a batch's rows over the workers
+        k = max(1, min(n, int(cores.capacity)))  # the runtime splits the rows over its workers
         yield cores.get(k)
         slow = srv.slow[v.station]
         work = env.timeout((n * v.ms + v.batch_ms) * slow / k)
@@ -201,10 +242,7 @@ def _batch(srv: _Server, stages: _Stages, times: np.ndarray, gil, state: dict, q
         srv.held[v.station] -= n
     if stages.route.delay_ms > 0:
         yield env.timeout(stages.route.delay_ms)
-    if srv.start_ms <= env.now < srv.end_ms:
-        host = sum(n * v.ms + v.batch_ms for v in visits if v.station in srv.host)
-        state["host"] += host
-    state["done"].extend((t, env.now) for t in times)
+    return sum(n * v.ms + v.batch_ms for v in visits if v.station in srv.host)
 
 
 def _hold(env, resource, ms: float):
