@@ -140,7 +140,7 @@ class _Stages:
         self.queue = [srv.simpy.Resource(srv.env, capacity=DEPTH) for _ in route.visits]
 
 
-class _Assist:
+class Assist:
     """How many rows of a batch the host takes while the agent is busy, adapted batch by
     batch as the runtime's controller does (`runtime.assist.HostAssist`)."""
 
@@ -166,7 +166,7 @@ def _batcher(srv: _Server, model: StreamModel, arrivals: np.ndarray, state: dict
     env, size, wait = srv.env, model.batch_max_size, model.batch_max_wait_ms
     main = _Stages(srv, model.route)
     helped = _Stages(srv, model.assist_route) if model.assist_route is not None else None
-    assist = _Assist(model.assist_share, size) if helped is not None else None
+    assist = Assist(model.assist_share, size) if helped is not None else None
     gil = srv.simpy.Resource(env, capacity=1)  # the pipeline's host process's interpreter
     taken = 0
     while taken < len(arrivals):
