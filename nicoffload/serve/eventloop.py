@@ -1,9 +1,10 @@
-"""The event loop that serve's fronts run on: uvloop (libuv, the `fast` extra) where it is
-importable, asyncio's own otherwise, or the one that NICOFFLOAD_EVENT_LOOP names (`uvloop` |
-`asyncio`: for a side-by-side measurement). loadgen's processes stay on asyncio's unless that
-variable says otherwise (uvloop did not lower their CPU per request: aiohttp's client is most
-of it; bench/RESULTS.md). Whoever runs one says which in what it reports (`event_loop`), so
-that a figure is never read as uvloop's when it was asyncio's.
+"""The event loop of serve's fronts and loadgen's processes: asyncio's own unless
+NICOFFLOAD_EVENT_LOOP names another: `uvloop` (libuv, the `fast` extra), `auto` (uvloop where
+it imports), `asyncio`. asyncio's is the default because uvloop did not measurably lower a
+front's or a load process's CPU per request on the 2-core VM once the answer's copies were
+gone (bench/RESULTS.md, "Where a front's CPU goes"): what is left is mostly system calls and
+aiohttp's own Python. Whoever runs one says which in what it reports (`event_loop`), so that
+a figure is never read as uvloop's when it was asyncio's.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ def requested() -> str | None:
 
 
 def chosen(want: str | None = None) -> str:
-    """`want` ("auto" or one of CHOICES; None: NICOFFLOAD_EVENT_LOOP's, else "auto") as the
-    loop that will run: "auto" is uvloop when it imports. Asking for uvloop without it is an
-    error that names the extra."""
-    want = want or requested() or "auto"
+    """`want` ("auto" or one of CHOICES; None: NICOFFLOAD_EVENT_LOOP's, else "asyncio") as
+    the loop that will run: "auto" is uvloop when it imports. Asking for uvloop without it is
+    an error that names the extra."""
+    want = want or requested() or "asyncio"
     if want not in ("auto", *CHOICES):
         raise UserError(f"{ENV}={want!r}: one of auto, {', '.join(CHOICES)}")
     if want == "asyncio":

@@ -307,10 +307,7 @@ def _share(
     cpu = time.process_time()
     from nicoffload.serve import eventloop
 
-    results, wall = eventloop.run(
-        run_load(url, bodies, duration_s, rate, concurrency, token, seed),
-        eventloop.requested() or "asyncio",
-    )
+    results, wall = eventloop.run(run_load(url, bodies, duration_s, rate, concurrency, token, seed))
     return results, wall, time.process_time() - cpu
 
 

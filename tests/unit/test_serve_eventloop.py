@@ -1,6 +1,6 @@
 """The event loop of serve's fronts and loadgen's processes (`nicoffload.serve.eventloop`):
-uvloop where it imports, asyncio's when NICOFFLOAD_EVENT_LOOP says so, and a clear error for a
-wrong name or a uvloop asked for and missing."""
+asyncio's unless NICOFFLOAD_EVENT_LOOP names another, uvloop for `auto` where it imports, and
+a clear error for a wrong name or a uvloop asked for and missing."""
 
 from __future__ import annotations
 
@@ -17,22 +17,28 @@ async def running_loop_module() -> str:
     return type(asyncio.get_running_loop()).__module__
 
 
-def test_auto_is_uvloop_where_it_imports(monkeypatch):
-    pytest.importorskip("uvloop")
+def test_unset_is_asyncio_even_where_uvloop_imports(monkeypatch):
     monkeypatch.delenv(eventloop.ENV, raising=False)
-    assert eventloop.chosen() == "uvloop"
-    assert eventloop.run(running_loop_module()).startswith("uvloop")
-
-
-def test_auto_is_asyncio_without_uvloop(monkeypatch):
-    monkeypatch.delenv(eventloop.ENV, raising=False)
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop: ImportError
     assert eventloop.chosen() == "asyncio"
     assert eventloop.run(running_loop_module()).startswith("asyncio")
 
 
-def test_the_environment_picks_asyncio_over_uvloop(monkeypatch):
-    monkeypatch.setenv(eventloop.ENV, "asyncio")
+def test_uvloop_runs_when_asked_for(monkeypatch):
+    pytest.importorskip("uvloop")
+    monkeypatch.setenv(eventloop.ENV, "uvloop")
+    assert eventloop.chosen() == "uvloop"
+    assert eventloop.run(running_loop_module()).startswith("uvloop")
+
+
+def test_auto_is_uvloop_where_it_imports(monkeypatch):
+    pytest.importorskip("uvloop")
+    monkeypatch.setenv(eventloop.ENV, "auto")
+    assert eventloop.chosen() == "uvloop"
+
+
+def test_auto_is_asyncio_without_uvloop(monkeypatch):
+    monkeypatch.setenv(eventloop.ENV, "auto")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop: ImportError
     assert eventloop.chosen() == "asyncio"
     assert eventloop.run(running_loop_module()).startswith("asyncio")
 
