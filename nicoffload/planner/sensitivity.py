@@ -6,19 +6,21 @@ of every transfer, what other nodes load it with; for the host CPU, the host pro
 time too) and the links' bandwidth. A factor above 1
 is faster, below 1 slower; none where no factor from 1/16 to 16 turns the order. It compares
 the two placements only: another placement might overtake the plan sooner. Pure functions of
-the cost model (`evaluate` on a rescaled copy), no search.
+the cost model (`evaluate` on a rescaled copy), no search; where the objective is a load and
+no SLO is set, two evaluations give the objective at every factor (`_lines`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from nicoffload.planner.cost import CostModel
-from nicoffload.planner.evaluate import REL_TOL, Goal, evaluate
+from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal, evaluate
 
 LIMIT = 16.0  # the factors tried: 1/LIMIT .. LIMIT
 GRID = 24  # grid steps per direction, 1 -> LIMIT: each about 12% (a narrower window is missed)
@@ -73,6 +75,36 @@ def _wins(model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray) ->
     return bool(not feasible[0] or primary[1] < primary[0] * (1 - REL_TOL) - 1e-12)
 
 
+def _lines(
+    model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray, what: str
+) -> Callable[[float], bool] | None:
+    """_wins at the factor exp(g), from two evaluations instead of one per factor: where the
+    objective is the busiest resource or the host CPU and the goal caps neither latency nor
+    load, each resource's load, the host process's serial time and the host CPU are a + b / f
+    in the factor f (`scaled` divides by f, and `evaluate` sums), and feasibility does not
+    depend on f; None elsewhere (a latency is a longest path: no line)."""
+    primary = OBJECTIVE[goal.objective].primary
+    if primary == "latency" or np.isfinite(goal.max_load_ms) or np.isfinite(goal.latency_cap):
+        return None
+    P = np.stack([best, second])
+    at1, at2 = evaluate(model, P), evaluate(scaled(model, what, 2.0), P)
+
+    def columns(m) -> np.ndarray:  # the primary is the largest of these, per placement
+        return np.c_[m.load, m.serial] if primary == "bottleneck" else m.host[:, None]
+
+    b = 2.0 * (columns(at1) - columns(at2))
+    a = columns(at1) - b
+    ok = at1.ok
+
+    def wins(g: float) -> bool:
+        if not ok[1]:
+            return False
+        p = (a + b * math.exp(-g)).max(axis=1)
+        return bool(not ok[0] or p[1] < p[0] * (1 - REL_TOL) - 1e-12)
+
+    return wins
+
+
 def crossing(
     model: CostModel, goal: Goal, best: np.ndarray, second: np.ndarray, what: str
 ) -> float | None:
@@ -80,19 +112,25 @@ def crossing(
     `what` changes alone; None where it does not within 1/LIMIT .. LIMIT. Each direction is
     scanned on a grid (the runner-up may win only inside the range: its advantage need not
     grow one way), then the first winning step is bisected."""
+    wins = _lines(model, goal, best, second, what) or (
+        lambda g: _wins(scaled(model, what, math.exp(g)), goal, best, second)
+    )
+    return scan(wins)
+
+
+def scan(wins: Callable[[float], bool]) -> float | None:
+    """crossing's search, of `wins` (at the factor exp(g))."""
     found = []
     step = math.log(LIMIT) / GRID
     for sign in (1.0, -1.0):
         grid = (sign * step * (i + 1) for i in range(GRID))
-        hi = next(
-            (g for g in grid if _wins(scaled(model, what, math.exp(g)), goal, best, second)), None
-        )
+        hi = next((g for g in grid if wins(g)), None)
         if hi is None:
             continue
         lo = hi - sign * step  # the step before: the plan still wins there (at 1 by definition)
         for _ in range(STEPS):
             mid = (lo + hi) / 2
-            if _wins(scaled(model, what, math.exp(mid)), goal, best, second):
+            if wins(mid):
                 hi = mid
             else:
                 lo = mid

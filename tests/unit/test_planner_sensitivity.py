@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 import numpy as np
+import pytest
 from test_planner_properties import random_goal, random_model
 
 from nicoffload.planner.evaluate import evaluate
@@ -98,3 +99,47 @@ def test_the_host_process_is_the_host_cpus_alone() -> None:
     fast = scaled(model, "cpu", 2.0)
     np.testing.assert_array_equal(fast.serial, model.serial / 2)
     assert fast.side == ((0, 1, 0, 0.5),)  # node 0 on gpu1 loads cpu0: faster with it
+
+
+def _on_the_cost_model(model, goal, best, second, what):
+    return lambda g: _wins(scaled(model, what, math.exp(g)), goal, best, second)
+
+
+def test_the_lines_scan_finds_the_factors_the_cost_model_does() -> None:
+    """Throughput and host CPU without SLOs: the scan by lines (two evaluations) finds what
+    the scan of the cost model at each factor finds."""
+    from nicoffload.planner.evaluate import Goal
+    from nicoffload.planner.sensitivity import _lines, scan
+
+    compared = found = 0
+    for seed in range(10):
+        model = with_kinds(random_model(seed))
+        for objective in ("throughput", "host-cpu"):
+            goal = Goal(objective)
+            best = solve(model, goal)
+            if best is None:
+                continue
+            second, _, _ = search_runner_up(model, goal, best, model.allowed, 10.0)
+            if second is None:
+                continue
+            for what in ("link", *sorted(set(model.kinds))):
+                lines = _lines(model, goal, best, second, what)
+                assert lines is not None
+                want = scan(_on_the_cost_model(model, goal, best, second, what))
+                got = scan(lines)
+                assert (got is None) == (want is None), (seed, objective, what)
+                if got is not None:
+                    assert math.log(got) == pytest.approx(math.log(want), abs=1e-5)
+                    found += 1
+                compared += 1
+    assert compared >= 40 and found >= 5  # factors really compared, not skipped
+
+
+def test_a_latency_goal_is_scanned_on_the_cost_model() -> None:
+    from nicoffload.planner.evaluate import Goal
+    from nicoffload.planner.sensitivity import _lines
+
+    model = with_kinds(random_model(3))
+    best = np.zeros(model.n, np.intp)
+    assert _lines(model, Goal("latency"), best, best, "link") is None
+    assert _lines(model, Goal("throughput", max_latency_ms=1.0), best, best, "link") is None
