@@ -31,12 +31,12 @@ def _pareto(vecs: np.ndarray) -> np.ndarray:
     """Indices of the rows no other row dominates (<= everywhere); one of equal rows is kept."""
     order = np.argsort(vecs.sum(axis=1), kind="stable")
     kept: list[int] = []
-    block = np.empty((0, vecs.shape[1]))
+    block = np.empty_like(vecs)  # the kept rows, in place (a copy per row was quadratic)
     for i in order:
-        if len(kept) and np.any(np.all(block <= vecs[i] + 1e-12, axis=1)):
+        if kept and (block[: len(kept)] <= vecs[i] + 1e-12).all(axis=1).any():
             continue
+        block[len(kept)] = vecs[i]
         kept.append(i)
-        block = vecs[kept]
     return np.array(kept, dtype=np.intp)
 
 
