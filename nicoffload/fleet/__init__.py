@@ -6,7 +6,7 @@ against all-host, and p50/p99 latency, by a discrete-event simulation (simpy: `[
     result = simulate(load_fleet("fleet.yaml"), policies=("all-host", "planner"))
 
 `spec` reads the file, `servers` a kind's topology, `model` a server's stations under a
-policy, `sim` one server's events, `run` the fleet's figures.
+policy, `sim` one server's events, `run` the fleet's figures, `plot` the `--plot` figure.
 """
 
 from __future__ import annotations
