@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 from pathlib import Path
@@ -160,13 +159,16 @@ def loadgen(
         bodies: list[Any] = [lg.grpc_request_body(model, name, [b]) for b in items]
     else:
         bodies = [lg.request_body(name, [b]) for b in items]
+    from nicoffload.serve import eventloop
+
+    loop = eventloop.chosen()  # as loadgen's processes
     runs = []
     workers = lg.pool(procs) if procs > 1 else None
     try:
         for r in rates:
             if workers is None:
-                results, wall = asyncio.run(
-                    lg.run_load(target, bodies, duration, r, concurrency, token, seed)
+                results, wall = eventloop.run(
+                    lg.run_load(target, bodies, duration, r, concurrency, token, seed), loop
                 )
                 used = 1
             else:
@@ -187,6 +189,7 @@ def loadgen(
         "target": target,
         "mode": "open" if rate is not None else "closed",
         "procs": procs,
+        "event_loop": loop,
         "runs": runs,
     }
     if plot_file is not None:

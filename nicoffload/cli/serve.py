@@ -222,7 +222,11 @@ async def _serve_fronts(fronts: Any, batcher: Any, host: str, ready_doc: dict[st
         doc["grpc"] = (
             f"{grpc_host if ':' not in grpc_host else f'[{grpc_host}]'}:{fronts.grpc_port}"
         )
-    doc |= ready_doc | {"fronts": fronts.n, "front_pids": fronts.pids()}
+    doc |= ready_doc | {
+        "fronts": fronts.n,
+        "front_pids": fronts.pids(),
+        "event_loop": fronts.event_loop,  # the fronts' (they serve the HTTP)
+    }
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
 
@@ -428,10 +432,13 @@ def serve(
             "gc_frozen": gc.get_freeze_count(),
             "auth": "bearer" if token else "none",
         }
+        from nicoffload.serve import eventloop
+
         fronts = None
         try:
             if n_fronts == 1:
-                asyncio.run(_serve(server, batcher, (host, port), grpc_at, ready))
+                ready["event_loop"] = eventloop.chosen()
+                eventloop.run(_serve(server, batcher, (host, port), grpc_at, ready))
             else:
                 fronts = _fronts(
                     batcher,
@@ -446,7 +453,7 @@ def serve(
                     grpc_at,
                 )
                 ready |= {"model": config.model_name, "grpc_host": grpc_at and grpc_at[0]}
-                asyncio.run(_serve_fronts(fronts, batcher, host, ready))
+                eventloop.run(_serve_fronts(fronts, batcher, host, ready))
         finally:  # the stream ends before the session closes (Ctrl-C too): close waits for it
             batcher.stop(timeout=30)
             if fronts is not None:

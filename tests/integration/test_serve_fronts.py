@@ -79,6 +79,7 @@ def front_stats(log: Path) -> dict:
 
 def test_fronts_answer_the_all_host_tensors_with_their_ids(server, images, want):
     assert server.doc["fronts"] == 2 and len(server.doc["front_pids"]) == 2
+    assert server.doc["event_loop"] in ("asyncio", "uvloop")  # the fronts', said
     assert set(server.doc["front_pids"]) <= children(server.proc.pid)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         # each on its own connection, so both fronts take some
@@ -126,7 +127,9 @@ def test_loadgen_procs_2_merges_every_process_requests(server):
          str(seconds), "--sample", "2", "--procs", "2", "--json"],
         capture_output=True, text=True, check=True, cwd=server.log.parent,
     )  # fmt: skip
-    run = json.loads(out.stdout)["runs"][0]
+    doc = json.loads(out.stdout)
+    assert doc["event_loop"] == "asyncio"  # loadgen's default, said
+    run = doc["runs"][0]
     # process i sends the Poisson stream of rate/2 seeded i: both are in the run
     sent = sum(len(arrivals(rate / 2, seconds, i)) for i in range(2))
     assert run["procs"] == 2 and run["sent"] == sent and run["ok"] == sent
