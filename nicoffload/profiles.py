@@ -23,7 +23,8 @@ FORMAT = "nicoffload-profile"
 # `c_ms_per_byte`), and `runtime` may carry `agent_us_per_item`; versions 1 and 2 are still read.
 # 4: `runtime` may carry `serial_us_per_item` and `serial_us_per_batch` (the host process's
 # GIL-held time per stage, on the runtime's fast path) and `serial_general_us_per_item`,
-# `serial_general_us_per_batch` (on its general path); versions 1 to 3 are still read, without.
+# `serial_general_us_per_batch` (on its general path), and `agent_us_per_batch` (the agent's
+# own CPU per batch); versions 1 to 3 are still read, without.
 # A decoder's entry may carry `progressive_x` (any version): progressive JPEGs' time over
 # baseline ones'; without it, progressive items are priced as baseline ones.
 VERSION = 4
@@ -104,6 +105,9 @@ class Profile:
     serial_us_per_batch: float | None = None
     serial_general_us_per_item: float | None = None
     serial_general_us_per_batch: float | None = None
+    # the agent's own CPU per batch besides `agent_us_per_item` (a REQUEST frame parsed, a batch
+    # formed and forwarded, credits): a + b / batch size, measured with it
+    agent_us_per_batch: float | None = None
 
     def kernel(self, chain: tuple[str, ...] | str) -> KernelCost | None:
         key = chain if isinstance(chain, str) else "+".join(chain)
@@ -174,6 +178,7 @@ class Profile:
             self.serial_us_per_batch,
             self.serial_general_us_per_item,
             self.serial_general_us_per_batch,
+            self.agent_us_per_batch,
         )
 
     def save(self, path: str | Path) -> None:
@@ -285,6 +290,7 @@ RUNTIME_KEYS = (
     "serial_us_per_batch",
     "serial_general_us_per_item",
     "serial_general_us_per_batch",
+    "agent_us_per_batch",
 )
 
 

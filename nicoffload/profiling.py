@@ -30,6 +30,7 @@ from nicoffload.profiling_serial import measure_host_serial, serial_method, seri
 
 # batch payload sizes (bytes) and how many batches of each; quick: fewer of the large ones
 SIZES = (256, 64 << 10, 1 << 20, 4 << 20)
+SMALL_BATCH = 4  # the agent probe's second batch size (its per-batch cost, against 64)
 BYTES_PER_SIZE = 96 << 20
 QUICK_BYTES_PER_SIZE = 24 << 20
 MIN_BATCHES = 400
@@ -142,12 +143,21 @@ def measure_transports(*, quick: bool = False, progress=None) -> dict[str, LinkC
 
 
 def _probe(
-    name: str, device: str, clock: Any, *, quick: bool, topology: Any = None, workers=None
+    name: str,
+    device: str,
+    clock: Any,
+    *,
+    quick: bool,
+    topology: Any = None,
+    workers=None,
+    batch: int | None = None,
+    n: int | None = None,
 ) -> tuple[float, Any, int, Any, bytes]:
     """A probe pipeline (`data/NAME.yaml`) all on `device`, run through a real Session over
     tiny JPEGs (the kernels cost little: what is left is the runtime's own work), warmed, then
     one call with its batches read in place: (`clock`'s seconds over the call, its RunStats,
-    its batches, the pipeline, the item)."""
+    its batches, the pipeline, the item). `batch`: the batch size instead of the pipeline's;
+    `n`: the items of the call (512 quick, else 2048)."""
     import io
 
     from PIL import Image
@@ -160,7 +170,9 @@ def _probe(
     buf = io.BytesIO()
     Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(buf, "JPEG")
     pipeline = load_pipeline(Path(__file__).parent / "data" / f"{name}.yaml")
-    items = [buf.getvalue()] * (512 if quick else 2048)
+    if batch is not None:
+        pipeline = replace(pipeline, batch_max_size=batch)
+    items = [buf.getvalue()] * (n or (512 if quick else 2048))
     plan = single_device_plan(pipeline, device)
     with Session(prepare(pipeline, plan, topology), workers=workers) as session:
         for _ in session.stream(items[:128]):  # warm: kernels compiled, rings touched
@@ -189,33 +201,41 @@ def measure_runtime(*, quick: bool = False) -> float:
     return max(0.0, _per_item_us(cpu, stats, n))
 
 
-def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> float | None:
-    """The DPU agent's own CPU per item outside its kernels and its transfers, in us: a probe
-    (`data/agent_probe.yaml`: the ResNet recipe's kernels over tiny JPEGs, to a tiny output)
-    all on an agent started on these cores, as the local topology runs one, over tcp; the
-    agent process's CPU over the call minus what its kernels took (the agent's own figure)
-    and minus both its transfers as `link` prices them, per item. None where no agent can run
-    beside the host (one core)."""
+def measure_agent_runtime(link: LinkCost, *, quick: bool = False) -> tuple[float, float] | None:
+    """The DPU agent's own CPU outside its kernels and its transfers, in us, as (per item, per
+    batch): a probe (`data/agent_probe.yaml`: the ResNet recipe's kernels over tiny JPEGs, to a
+    tiny output) all on an agent started on these cores, as the local topology runs one, over
+    tcp, at batches of the probe's 64 and of SMALL_BATCH; at each, the agent process's CPU over
+    the call minus what its kernels took (the agent's own figure) and minus both its transfers
+    as `link` prices them, per item; then fitted a + b / batch size through the two. A batch
+    costs the agent a REQUEST frame parsed, a batch formed and forwarded, credits: 0.5-0.6 ms
+    of one VM core, where a batch of 2 items costs 0.3 ms per item and one of 64 items 0.03.
+    None where no agent can run beside the host (one core)."""
     from nicoffload.topology import local_topology
 
     topology = local_topology(gpu=False)
     if "dpu0" not in topology.ids:
         return None
-    n = 512 if quick else 2048
     others = set(agent_pids())  # agents already running (a test's, a server's): not the probe's
 
     def probe_cpu_s() -> float:
         return sum(tree_cpu_s(pid) for pid in agent_pids() if pid not in others)
 
-    cpu, stats, batches, pipeline, item = _probe(
-        "agent_probe", "dpu0", probe_cpu_s, quick=quick, topology=topology, workers=1
-    )
-    out_bytes = sum(s.typical_nbytes for s in pipeline.output_specs().values())
-    moved_us = (
-        link.cpu_ns_per_byte * (out_bytes + len(item)) * 1e-3
-        + 2 * (link.cpu_us_per_batch or 0.0) * batches / n
-    )
-    return max(0.0, _per_item_us(cpu, stats, n) - moved_us)
+    rest: dict[int, float] = {}
+    for batch, n in ((None, 512 if quick else 2048), (SMALL_BATCH, 128 if quick else 512)):
+        cpu, stats, batches, pipeline, item = _probe(
+            "agent_probe", "dpu0", probe_cpu_s, quick=quick, topology=topology, workers=1,
+            batch=batch, n=n,
+        )  # fmt: skip
+        out_bytes = sum(s.typical_nbytes for s in pipeline.output_specs().values())
+        moved_us = (
+            link.cpu_ns_per_byte * (out_bytes + len(item)) * 1e-3
+            + 2 * (link.cpu_us_per_batch or 0.0) * batches / n
+        )
+        rest[n / batches] = _per_item_us(cpu, stats, n) - moved_us
+    (big, at_big), (small, at_small) = sorted(rest.items(), reverse=True)
+    per_batch = max(0.0, (at_small - at_big) / (1 / small - 1 / big))
+    return max(0.0, at_big - per_batch / big), per_batch
 
 
 def with_gpu_serial(base: Profile, *, quick: bool = False, device: str = "gpu0") -> Profile:
@@ -495,6 +515,7 @@ def measure(
         "",
         "<measured>",
         runtime,
-        agent,
+        None if agent is None else agent[0],
         **serial,
+        agent_us_per_batch=None if agent is None else agent[1],
     )

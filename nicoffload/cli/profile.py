@@ -86,7 +86,11 @@ def profile(
     if result.runtime_us_per_item is not None:
         typer.echo(f"  host runtime                   {result.runtime_us_per_item:8.1f} us/item")
     if result.agent_us_per_item is not None:
-        typer.echo(f"  agent runtime                  {result.agent_us_per_item:8.1f} us/item")
+        per_batch = result.agent_us_per_batch
+        typer.echo(
+            f"  agent runtime                  {result.agent_us_per_item:8.1f} us/item"
+            + ("" if per_batch is None else f" + {per_batch:.1f} us/batch")
+        )
     if result.serial_us_per_item is not None:
         typer.echo(
             f"  host process serial (GIL)      {result.serial_us_per_item:8.1f} us/item"

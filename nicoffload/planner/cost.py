@@ -335,7 +335,7 @@ def build_model(
     ids = topology.ids
     D = len(ids)
     rt = routes(topology, pipeline.batch_max_size)
-    _agent_ends(rt, topology, profiles)
+    _agent_ends(rt, topology, profiles, pipeline.batch_max_size)
     work_by_name = effective_work(pipeline)
     names = [n.name for n in pipeline.nodes]
     work = np.array([work_by_name[n] for n in names])
@@ -417,31 +417,38 @@ def build_model(
         host=np.array([d.kind == "cpu" for d in topology.devices]),
         ingress=ids.index(topology.ingress),
         egress=ids.index(topology.egress),
-        base=runtime_load(topology, profiles, len(rt.resources)),
+        base=runtime_load(topology, profiles, len(rt.resources), pipeline.batch_max_size),
         serial=host_serial(topology, profiles, pipeline.batch_max_size),
         kinds=tuple(d.kind for d in topology.devices),
         side=side,
     )
 
 
-def _agent_ends(rt: Routes, topology: Topology, profiles: Mapping[str, Profile]) -> None:
-    """The DPU agent's own CPU per item outside its kernels and transfers (its profile's
-    `agent_us_per_item`: parsing requests, batching, row status, forwarding), as CPU on the
-    DPU's cores (divided by its capacity like its kernels). A DPU pays half on each tensor
-    that enters it and half on each that leaves: a stage with one input and one output pays
-    it once. A DPU that is the ingress receives every item whatever the placement: it pays it
-    in full in its `runtime_load` instead. Devices whose profile lacks it pay nothing."""
+def agent_ms_per_item(prof: Profile | None, batch_size: int) -> float:
+    """The DPU agent's own CPU per item outside its kernels and transfers, in ms, at full
+    batches of `batch_size`: its profile's `agent_us_per_item` (parsing requests, batching, row
+    status, forwarding) plus `agent_us_per_batch` shared by a batch's items; 0 without them."""
+    if prof is None:
+        return 0.0
+    per_item, per_batch = prof.agent_us_per_item or 0.0, prof.agent_us_per_batch or 0.0
+    return (per_item + per_batch / max(1, batch_size)) * 1e-3
+
+
+def _agent_ends(
+    rt: Routes, topology: Topology, profiles: Mapping[str, Profile], batch_size: int
+) -> None:
+    """The DPU agent's own CPU per item outside its kernels and transfers
+    (`agent_ms_per_item`), as CPU on the DPU's cores (divided by its capacity like its
+    kernels). A DPU pays half on each tensor that enters it and half on each that leaves: a
+    stage with one input and one output pays it once. A DPU that is the ingress receives every
+    item whatever the placement: it pays it in full in its `runtime_load` instead. Devices
+    whose profile lacks it pay nothing."""
     ids = topology.ids
     for d, dev in enumerate(topology.devices):
-        prof = profiles.get(dev.id)
-        if (
-            dev.kind != "dpu"
-            or dev.id == topology.ingress
-            or not prof
-            or not prof.agent_us_per_item
-        ):
+        own = agent_ms_per_item(profiles.get(dev.id), batch_size)
+        if dev.kind != "dpu" or dev.id == topology.ingress or not own:
             continue
-        half = prof.agent_us_per_item * 1e-3 / 2
+        half = own / 2
         for other in range(len(ids)):
             if other != d:
                 rt.fixed[d, other, d] += half
@@ -481,16 +488,19 @@ def host_serial(
     return out if out.any() else None
 
 
-def runtime_load(topology: Topology, profiles: Mapping[str, Profile], resources: int) -> np.ndarray:
+def runtime_load(
+    topology: Topology, profiles: Mapping[str, Profile], resources: int, batch_size: int = 1
+) -> np.ndarray:
     """(R,) core-ms per item whatever the placement: the host runtime's, on the host CPU that
     runs it (the ingress when it is a CPU, else the first CPU device; from that device's
-    profile, 0 without one), and the agent's own on a DPU that is the ingress."""
+    profile, 0 without one), and the agent's own on a DPU that is the ingress (at batches of
+    `batch_size`)."""
     base = np.zeros(resources)
     ingress = topology.device(topology.ingress)
-    prof = profiles.get(ingress.id)
-    if ingress.kind == "dpu" and prof is not None and prof.agent_us_per_item:
+    if ingress.kind == "dpu":
         # the agent that receives every item (`_agent_ends`)
-        base[topology.ids.index(ingress.id)] += prof.agent_us_per_item * 1e-3
+        own = agent_ms_per_item(profiles.get(ingress.id), batch_size)
+        base[topology.ids.index(ingress.id)] += own
     host = session_host(topology)
     if host is None:
         return base

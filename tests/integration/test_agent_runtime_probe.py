@@ -1,5 +1,5 @@
-"""`nicoffload profile` measures the DPU agent's own CPU per item through a real agent process
-(the local topology's emulated DPU): a number on a machine with a core to spare for it."""
+"""`nicoffload profile` measures the DPU agent's own CPU per item and per batch through a real
+agent process (the local topology's emulated DPU): numbers on a machine with a core to spare."""
 
 from __future__ import annotations
 
@@ -30,13 +30,17 @@ def test_the_agent_runtime_is_measured_through_a_real_agent():
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        us = measure_agent_runtime(free, quick=True)
+        got = measure_agent_runtime(free, quick=True)
     finally:
         stop.set()
         watcher.join()
-    assert us is not None and us > 0
+    assert got is not None
+    per_item, per_batch = got
+    assert per_item > 0
+    assert per_batch > 0  # a batch of 4 costs more per item than one of 64
     assert seen, "the probe ran no agent of its own"
     assert not seen & set(agent_pids())  # the agent it started is gone
     # the transfers' price comes off it: priced dear, nothing is left
     dear = LinkCost(0.0, 1e12, 1e6, 0.0)
-    assert measure_agent_runtime(dear, quick=True) == 0.0
+    got = measure_agent_runtime(dear, quick=True)
+    assert got is not None and got[0] == 0.0

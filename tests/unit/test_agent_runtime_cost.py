@@ -1,6 +1,7 @@
-"""The DPU agent's own CPU per item (a profile's `runtime.agent_us_per_item`) is priced on the
-DPU for every item that crosses into or out of one of its stages: once for a stage with one
-input and one output, nothing for a placement that leaves the DPU idle."""
+"""The DPU agent's own CPU per item (a profile's `runtime.agent_us_per_item`, and its
+`agent_us_per_batch` shared by a batch's items) is priced on the DPU for every item that crosses
+into or out of one of its stages: once for a stage with one input and one output, nothing for a
+placement that leaves the DPU idle."""
 
 from __future__ import annotations
 
@@ -18,13 +19,29 @@ from nicoffload.topology import local_topology
 RESNET = load_pipeline("pipelines/resnet50.yaml")
 
 
-def _models(agent_us: float | None, ingress: str = "cpu"):
+def _models(
+    agent_us: float | None, ingress: str = "cpu", per_batch: float | None = None, pipeline=RESNET
+):
     topology = local_topology(gpu=False, ingress=ingress)
     if "dpu0" not in topology.ids:
         pytest.skip("one core: the local topology has no emulated DPU")
     profiles = {d.id: load_profile(d.profile) for d in topology.devices}
-    profiles["dpu0"] = dataclasses.replace(profiles["dpu0"], agent_us_per_item=agent_us)
-    return topology, build_model(RESNET, topology, profiles, Catalog.from_registry())
+    profiles["dpu0"] = dataclasses.replace(
+        profiles["dpu0"], agent_us_per_item=agent_us, agent_us_per_batch=per_batch
+    )
+    return topology, build_model(pipeline, topology, profiles, Catalog.from_registry())
+
+
+@pytest.mark.parametrize("batch", [64, 8])
+def test_the_agents_cost_per_batch_is_shared_by_the_batchs_items(batch):
+    pipeline = dataclasses.replace(RESNET, batch_max_size=batch)
+    topology, with_batch = _models(80.0, per_batch=640.0, pipeline=pipeline)
+    _, without = _models(80.0, pipeline=pipeline)
+    dpu, cpu = topology.ids.index("dpu0"), topology.ids.index("cpu")
+    split = np.array([[dpu if n != "norm" else cpu for n in with_batch.nodes]])
+    a, b = evaluate(with_batch, split), evaluate(without, split)
+    assert a.work[0, dpu] - b.work[0, dpu] == pytest.approx(0.640 / batch)
+    assert a.work[0, cpu] == pytest.approx(b.work[0, cpu])
 
 
 def test_a_dpu_stage_pays_the_agents_own_cpu_once_per_item():

@@ -121,7 +121,7 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     monkeypatch.setattr(profiling, "TOKEN_LENGTHS", (8, 16))
     monkeypatch.setattr(profiling, "measure_links", lambda quick: {"tcp": LinkCost(0.01, 1e9, 0.2)})
     # the agent's runtime is measured through a real agent process: tests/integration
-    monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: 12.5)
+    monkeypatch.setattr(profiling, "measure_agent_runtime", lambda link, quick: (12.5, 300.0))
     # the host's serial time through the real runtime, on fewer items
     monkeypatch.setattr(profiling_serial, "QUICK_SERIAL_ITEMS", 512)
     monkeypatch.setattr(profiling_serial, "QUICK_SERIAL_ROUNDS", 1)
@@ -147,11 +147,11 @@ def test_measuring_runs_every_registered_kernel_and_writes_a_loadable_profile(
     assert all(len(pt) == 3 and pt[2] > 0 for pt in decode)
     assert all(len(pt) == 2 for pt in p.kernels["resize"].points)
     assert len(p.kernels["resize"].points) == 3
-    assert p.agent_us_per_item == 12.5
+    assert p.agent_us_per_item == 12.5 and p.agent_us_per_batch == 300.0
     p.save(tmp_path / "cpu.json")
     back = load_profile(tmp_path / "cpu.json")
     assert back.kernels.keys() == p.kernels.keys()
-    assert back.agent_us_per_item == 12.5
+    assert back.agent_us_per_item == 12.5 and back.agent_us_per_batch == 300.0
     assert back.serial_us_per_item == p.serial_us_per_item > 0
     assert back.serial_us_per_batch == p.serial_us_per_batch >= 0
     assert back.serial_general_us_per_item == p.serial_general_us_per_item > 0
