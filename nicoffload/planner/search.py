@@ -18,7 +18,7 @@ from nicoffload.planner.branches import Chains
 from nicoffload.planner.evaluate import REL_TOL
 
 MOVERS = 40  # copies whose moves are weighed per step, drawn from those on the worst resource
-STALL = 200  # steps without a better placement before giving up
+STALL = 50  # steps without a better placement before giving up
 
 
 class _Class:
