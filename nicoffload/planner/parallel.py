@@ -35,7 +35,7 @@ from nicoffload.planner.branches import Bucketed, Chains, bucket_key, bucketed, 
 from nicoffload.planner.evaluate import OBJECTIVE, REL_TOL, Goal
 from nicoffload.planner.flow import FlowProblem, Outcome, placement, row_scale
 from nicoffload.planner.latency_flow import latency_bound
-from nicoffload.planner.routing import fits
+from nicoffload.planner.routing import hostless
 from nicoffload.planner.search import pack
 
 BELOW = 1 - 2 * REL_TOL  # a cap this far under a value asks "is anything better?"
@@ -220,11 +220,11 @@ def _gap(value: float, bound: float) -> float:
 
 def _min_h(s: _Search, bound: float, t_cap: float) -> _Stage:
     """Least host CPU: a linear objective, which HiGHS proves directly. No host CPU at all is
-    the least there is: a packing without any, when one is at hand (_hostless), is the
+    the least there is: a packing without any, when one is at hand (routing.hostless), is the
     optimum without HiGHS. The LP's bound is proven (no integer presolve), so a quick try
     that finds a packing at it is the optimum, without the search (0.6 s on 12 camera
     branches of 12 resolutions, where that is 0)."""
-    zero = _hostless(s.problem(bound), t_cap) if s.differ is None else None
+    zero = hostless(s.problem(bound), t_cap) if s.differ is None else None
     if zero is not None:
         return _Stage(zero, zero.h, 0.0)
     lp = s.solve(bound, "H", t_cap=t_cap, relax=True)
@@ -240,58 +240,6 @@ def _min_h(s: _Search, bound: float, t_cap: float) -> _Stage:
             None, np.inf, 0.0 if o.status == "infeasible" else np.inf, o.status == "infeasible"
         )
     return _Stage(o, o.h, 0.0 if o.status == "optimal" else _gap(o.h, max(0.0, o.bound)))
-
-
-def _hostless(problem: FlowProblem, t_cap: float) -> Outcome | None:
-    """Every copy of each class on the path of least host work through its graph (the
-    problem's: within its latency bound), as a packing, when that puts no host CPU anywhere
-    and keeps the load cap and memory; else None (a packing may still exist: HiGHS decides).
-    Host CPU is never below 0, so such a packing is the least (0.3 s of HiGHS on 12 camera
-    branches of 12 resolutions, where it exists)."""
-    if problem.empty:
-        return None
-    model = problem.model
-    lc, lr, lv = problem.loads
-    host = np.r_[model.host, np.zeros(len(model.resources) - len(model.host), bool)]
-    work = np.zeros(problem.nv)  # host work of one copy on each column
-    on = host[lr]
-    np.add.at(work, lc[on], lv[on] * model.divisor[lr[on]])
-    x = np.zeros(problem.nv)
-    for c, (ch, g) in enumerate(zip(problem.classes, problem.graphs, strict=True)):
-        arcs = _least_path(
-            g, ch.tail[g.arc], work[problem.offsets[c] : problem.offsets[c] + len(g.arc)]
-        )
-        if arcs is None:
-            return None
-        x[problem.offsets[c] + arcs] = ch.copies
-    o = problem.outcome(x, "H")
-    if o.h > 1e-12 or o.t > t_cap or not fits(problem, o.paths):
-        return None
-    o.status, o.bound = "optimal", o.h
-    return o
-
-
-def _least_path(g: Bucketed, order_key: np.ndarray, weight: np.ndarray) -> np.ndarray | None:
-    """The expanded arcs of the least-weight source-to-sink path of `g` (the first in arc
-    order among equals), or None when the sink is not reached. `order_key`: per arc, its
-    chain tail state, which orders the arcs as the chain's states (heads after tails)."""
-    if g.sink >= g.n_states:
-        return None
-    dist = [np.inf] * g.n_states
-    into = [-1] * g.n_states
-    dist[0] = 0.0
-    tail, head, w = g.tail.tolist(), g.head.tolist(), weight.tolist()
-    for e in np.argsort(order_key, kind="stable").tolist():
-        d = dist[tail[e]] + w[e]
-        if d < dist[head[e]]:
-            dist[head[e]], into[head[e]] = d, e
-    if into[g.sink] < 0:
-        return None
-    arcs, at = [], g.sink
-    while at != 0:
-        arcs.append(into[at])
-        at = tail[into[at]]
-    return np.array(arcs[::-1], np.intp)
 
 
 def _min_t(s: _Search, bound: float, t_cap: float, h_cap: float) -> _Stage:
