@@ -416,17 +416,16 @@ def _chunk(
     assert buf is not None and at <= buf.size
     for off, raw in parts:
         buf[off : off + raw.size] = raw
-    keep = session.row_arena(slot).put if slot.ragged else None
     try:
         msg = ["run", session.key, slot.index, arenas.where(IN), arenas.where(OUT)]
         reply = proc.call([*msg, arenas.keep, places])
         while reply[0] == "flush":  # the outputs so far out, and room for the next row's
-            _results(slot, arenas.array(OUT), reply[1], failed, finished, keep)
+            _results(slot, arenas.array(OUT), reply[1], failed, finished)
             reply = proc.call(_room(arenas, reply[2]))
         if reply[0] != "done":
             raise WorkerGone(str(reply[1]))
         _, results, seconds, cpu_ns, wall_ns, calls = reply
-        _results(slot, arenas.array(OUT), results, failed, finished, keep)
+        _results(slot, arenas.array(OUT), results, failed, finished)
     finally:
         arenas.trim()
     stage = session.built.stage
@@ -451,17 +450,9 @@ def _room(arenas: Arenas, need: int) -> list[Any]:
     return ["skip", SLOT_OVERFLOW, why]
 
 
-def _results(
-    slot: Any,
-    out: np.ndarray | None,
-    results: list[Any],
-    failed: dict,
-    finished: set,
-    keep: Callable[[np.ndarray], np.ndarray] | None = None,
-):
+def _results(slot: Any, out: np.ndarray | None, results: list[Any], failed: dict, finished: set):
     """Stamp the rows a worker answered for, their outputs of varying shape copied out of the
-    output arena (the next rows' are written there), by `keep` (the slot's `RowArena.put`)
-    where given, else into fresh arrays."""
+    output arena (the next rows' are written there)."""
     stamps = slot.stamps.rows
     for row, reason, detail, wrote, ragged in results:
         if reason:
@@ -470,11 +461,12 @@ def _results(
             for k in wrote:
                 stamps[k][row] = row + 1
             for k, dtype, shape, off in ragged:
-                dt = np.dtype(dtype)
-                n = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-                if n and (out is None or off < 0 or off + n > out.size):
-                    raise ValueError(f"a worker put {n} bytes at {off} of a smaller arena")
-                src = (out[off : off + n] if n else np.empty(0, np.uint8)).view(dt).reshape(shape)
-                slot.ragged[k][row] = keep(src) if keep is not None else np.array(src, copy=True)
+                got = np.empty(shape, dtype)
+                n = got.nbytes
+                if n:
+                    if out is None or off < 0 or off + n > out.size:
+                        raise ValueError(f"a worker put {n} bytes at {off} of a smaller arena")
+                    got.reshape(-1).view(np.uint8)[:] = out[off : off + n]
+                slot.ragged[k][row] = got
                 stamps[k][row] = row + 1
         finished.add(row)

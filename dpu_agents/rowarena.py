@@ -12,7 +12,9 @@ again when the slot is taken for its next batch.
 Sized by use: a batch that does not fit gets fresh arrays for its other rows (counted:
 `fresh`), and its slot's buffer grows to what the batch needed when that slot is next taken,
 within `most` bytes and what the budget has left; past either, rows keep getting fresh arrays
-(counted the same way).
+(counted the same way). Only an agent that runs its kernels in threads keeps them: with worker
+processes the rows' outputs come out of the workers' own arenas (shared memory, the same ARENA
+budget), which the row buffers would starve, and a copy out of those is needed anyway.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RowArena:
         self.buf: np.ndarray | None = None
         self.used = self.want = 0  # bytes handed out this batch; what it asked for
         self.fresh = 0  # rows given a fresh array (over the buffer), since the arena was made
+        self.closed = False
         self._lock = threading.Lock()
 
     @property
@@ -52,14 +55,16 @@ class RowArena:
         return 0 if self.buf is None else self.buf.size
 
     def reset(self) -> None:
-        """A new batch: grow to what the last one asked for (within `most` and the budget)."""
-        want, self.used, self.want = self.want, 0, 0
-        if want <= self.size or want > self.most:
-            return
-        size = min(-(-want // _MIB) * _MIB, self.most)
-        if self.budget is not None and not self.budget.take(ARENA, size - self.size):
-            return
-        self.buf = np.empty(size, np.uint8)  # what the old buffer held is taken by the new one
+        """A new batch: grow to what the last one asked for (within `most` and the budget);
+        after `close` (a batcher that outlived its session's close), nothing is taken."""
+        with self._lock:
+            want, self.used, self.want = self.want, 0, 0
+            if self.closed or want <= self.size or want > self.most:
+                return
+            size = min(-(-want // _MIB) * _MIB, self.most)
+            if self.budget is not None and not self.budget.take(ARENA, size - self.size):
+                return
+            self.buf = np.empty(size, np.uint8)  # the old buffer's bytes go to the new one
 
     def alloc(self, shape: tuple[int, ...], dtype: object) -> np.ndarray:
         """An array of `shape` and `dtype` (uninitialised) valid until the next `reset`: an
@@ -88,7 +93,9 @@ class RowArena:
         return out
 
     def close(self) -> None:
-        """Give the buffer's bytes back to the budget (the session is closing)."""
-        if self.buf is not None and self.budget is not None:
-            self.budget.give(ARENA, self.buf.size)
-        self.buf = None
+        """Give the buffer's bytes back to the budget (the session is closing); rows after
+        this get fresh arrays."""
+        with self._lock:
+            if self.buf is not None and self.budget is not None:
+                self.budget.give(ARENA, self.buf.size)
+            self.buf, self.closed = None, True

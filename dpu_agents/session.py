@@ -203,7 +203,8 @@ class Session:
                 account.release(budget.BATCH, self.slot_bytes)
             raise
         # per batch slot, where its rows' outputs of varying shape wait to be sent
-        ragged = any(not s.static for s in built.out_specs.values())
+        # (with worker processes, none: `rowarena`)
+        ragged = not pool.processes and any(not s.static for s in built.out_specs.values())
         b = account.budget if account is not None else None
         most = b.arena_most if b is not None else AgentConfig.max_arena_bytes
         self._row_arenas = [RowArena(b, most) for _ in range(BATCHES_IN_FLIGHT if ragged else 0)]

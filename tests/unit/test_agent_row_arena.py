@@ -134,3 +134,15 @@ def test_a_stage_copies_a_kernel_result_into_an_allocated_row(stage: Stage) -> N
     assert written == ["resize"]
     assert np.shares_memory(values["resize"], arena.buf)
     assert np.array_equal(values["resize"], alone["resize"])
+
+
+def test_nothing_is_taken_once_closed() -> None:
+    """A batcher that outlives its session's close takes no budget when it resets a slot."""
+    b = budget()
+    arena = RowArena(b, b.arena_most)
+    arena.alloc((3 * MIB,), np.uint8)
+    arena.close()
+    arena.reset()
+    assert b.used[ARENA] == 0 and arena.size == 0
+    row = arena.alloc((10,), np.uint8)  # a fresh array, counted
+    assert row.shape == (10,) and arena.fresh == 2
