@@ -49,8 +49,8 @@ run: setup
 	@# a profile measured before the runtime was, its links under another frame MAC, its
 	@# decode by pixels alone (before its bytes were fitted too), or before the host's serial
 	@# (GIL-held) time was, or before progressive JPEGs were timed apart, or the agent's
-	@# cost per batch: again
-	$(BIN)/python -c "import json, sys; d = json.load(open('$(PROFILES)/cpu.json')); r = d.get('runtime', {}); sys.exit('serial_us_per_item' not in r or ('agent_us_per_item' in r) != ('agent_us_per_batch' in r) or d['links']['tcp'].get('frame_mac') != 'gmac' or not {'c_ms_per_byte', 'progressive_x'} <= set(d['kernels'].get('decode_image', {})))" 2>/dev/null || $(BIN)/nicoffload profile --quick
+	@# cost per batch, or its links' bandwidth between two threads (not processes): again
+	$(BIN)/python -c "import json, sys; d = json.load(open('$(PROFILES)/cpu.json')); r = d.get('runtime', {}); t = d['links']['tcp']; sys.exit('serial_us_per_item' not in r or ('agent_us_per_item' in r) != ('agent_us_per_batch' in r) or t.get('frame_mac') != 'gmac' or t.get('bandwidth_from') != 'process' or not {'c_ms_per_byte', 'progressive_x'} <= set(d['kernels'].get('decode_image', {})))" 2>/dev/null || $(BIN)/nicoffload profile --quick
 	$(BIN)/nicoffload plan pipelines/resnet50.yaml
 	$(BIN)/nicoffload run pipelines/resnet50.yaml --sample 200
 

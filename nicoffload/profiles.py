@@ -76,6 +76,9 @@ class LinkCost:
     # and per batch (frames, credits, the MAC's fixed part); None in a profile measured before
     # links were measured through nicoffload's own transports (its CPU figures are raw sockets')
     cpu_us_per_batch: float | None = 0.0
+    # the bandwidth measured from another process, as an agent's outputs reach the host
+    # (`profiling.stream_bandwidth`); False: between two threads of one process, before it was
+    across: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class Profile:
                         if c.cpu_us_per_batch is None
                         else {"cpu_us_per_batch": c.cpu_us_per_batch, "frame_mac": FRAME_MAC}
                     ),
+                    **({"bandwidth_from": "process"} if c.across else {}),
                 }
                 for t, c in sorted(self.links.items())
             },
@@ -269,6 +273,7 @@ def profile_from_json(doc: Any, source: str = "<profile>") -> Profile:
             _number(body, "cpu_us_per_batch", where, source)
             if "cpu_us_per_batch" in body and body.get("frame_mac") == FRAME_MAC
             else None,
+            body.get("bandwidth_from") == "process",
         )
     return Profile(
         kind,

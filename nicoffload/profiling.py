@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -30,6 +32,7 @@ from nicoffload.profiling_serial import measure_host_serial, serial_method, seri
 
 # batch payload sizes (bytes) and how many batches of each; quick: fewer of the large ones
 SIZES = (256, 64 << 10, 1 << 20, 4 << 20)
+STREAM_BYTES = 16 << 20  # a batch of the bandwidth's measure (64 decoded ImageNet images: 36 MB)
 SMALL_BATCH = 4  # the agent probe's second batch size (its per-batch cost, against 64)
 BYTES_PER_SIZE = 96 << 20
 QUICK_BYTES_PER_SIZE = 24 << 20
@@ -123,22 +126,73 @@ def fit_per_batch(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(0.0, float(a) * 1e6), max(0.0, float(b) * 1e9)
 
 
+def _stream_send() -> None:
+    """The sending process of `stream_bandwidth`: argv address, size, batches; the key on
+    stdin. One warm-up batch, then the timed ones."""
+    from nicoffload.transport import connect
+
+    address, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    payload = np.ones(size, np.uint8)
+    with connect(address, key=key) as tx:
+        for i in range(n + 1):
+            tx.send({"x": payload}, request_id=i + 1, batch_size=1)
+        tx.flush(timeout=60)
+
+
+def stream_bandwidth(scheme: str, size: int, batches: int) -> float:
+    """Bytes per second of `batches` batches of `size` bytes sent from another process to a
+    receiver in this one, keyed: as a stage's outputs leave an agent for the host, the rate the
+    planner prices the link at. Between two threads of one process (`exchange`) the same tcp
+    moves 2.1-2.4x as much on the H200 host (2.8-3.2 against 1.29-1.37 GB/s, 4-36 MB batches)
+    and 1.2x on the 2-core VM: the price of decode on the DPU was +102-113% off by it."""
+    from nicoffload.transport import listen
+
+    key = secrets.token_bytes(32)
+    code = "from nicoffload.profiling import _stream_send; _stream_send()"
+    with listen(_address(scheme), slots=SLOTS, slot_bytes=size, key=key) as rx:
+        args = [sys.executable, "-c", code, rx.address, str(size), str(batches)]
+        child = subprocess.Popen(args, stdin=subprocess.PIPE, text=True)
+        try:
+            assert child.stdin is not None
+            child.stdin.write(key.hex() + "\n")
+            child.stdin.close()
+            t0 = None
+            for got in range(batches + 1):
+                d = rx.recv(timeout=60)
+                if d is None:
+                    raise RuntimeError(f"profile: {scheme}: {got} of {batches + 1} batches arrived")
+                rx.release(d)
+                if t0 is None:  # the warm-up batch: the process has started and connected
+                    t0 = time.perf_counter()
+            wall = time.perf_counter() - t0
+        finally:
+            if child.wait(60) != 0:
+                raise RuntimeError(
+                    f"profile: {scheme}: the sending process exited {child.returncode}"
+                )
+    return size * batches / wall
+
+
 def measure_transports(*, quick: bool = False, progress=None) -> dict[str, LinkCost]:
-    """tcp (keyed: every frame MAC'd) and shm, as the runtime moves bytes over them."""
+    """tcp (keyed: every frame MAC'd) and shm, as the runtime moves bytes over them: CPU per
+    byte and per batch between two threads (`exchange`), bandwidth from another process
+    (`stream_bandwidth`, batches of STREAM_BYTES)."""
     per_size = QUICK_BYTES_PER_SIZE if quick else BYTES_PER_SIZE
     out: dict[str, LinkCost] = {}
     for scheme in ("tcp", "shm"):
-        points, bandwidth = [], 0.0
+        points = []
         for size in SIZES:
             n = min(MAX_BATCHES, max(MIN_BATCHES // (4 if quick else 1), per_size // size))
-            wall, cpu = exchange(scheme, size, n)
+            _, cpu = exchange(scheme, size, n)
             points.append((size, cpu / n / 2))  # one end's share
-            if size == SIZES[-1]:
-                bandwidth = size * n / wall
             if progress:
                 progress(advance=1)
         per_batch_us, per_byte_ns = fit_per_batch(points)
-        out[scheme] = LinkCost(round_trip_ms(scheme), bandwidth, per_byte_ns, per_batch_us)
+        bandwidth = stream_bandwidth(scheme, STREAM_BYTES, 8 if quick else 24)
+        out[scheme] = LinkCost(
+            round_trip_ms(scheme), bandwidth, per_byte_ns, per_batch_us, across=True
+        )
     return out
 
 
@@ -495,7 +549,8 @@ def measure(
         f"on JPEGs of {sizes} (resize to 0.7x, so decode is at full size) and texts of "
         f"{', '.join(map(str, TOKEN_LENGTHS))} tokens; fit a + b * work by least squares; "
         "links: nicoffload's own tcp (every frame MAC'd) and shm transports, keyed as the agent keys "
-        "them, CPU of both ends fitted a + b * bytes per batch"
+        "them, CPU of both ends fitted a + b * bytes per batch, bandwidth from another process at "
+        f"{STREAM_BYTES >> 20} MiB batches"
     )
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     runtime = agent = None
