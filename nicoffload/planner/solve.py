@@ -19,7 +19,7 @@ from nicoffload.planner import assist
 from nicoffload.planner.build import make_plan
 from nicoffload.planner.cost import Catalog, CostModel, build_model
 from nicoffload.planner.dp import is_chain, solve_chain
-from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, Goal, evaluate
+from nicoffload.planner.evaluate import OBJECTIVE, OBJECTIVES, REL_TOL, Goal, evaluate
 from nicoffload.planner.plan import Plan
 from nicoffload.planner.runner_up import INFEASIBLE, runner_up, search_runner_up
 from nicoffload.profiles import Profile, load_profile
@@ -270,6 +270,24 @@ def plan_for(
                 f"the MILP reached its {time_limit_s:g} s time limit: this plan is proven "
                 "optimal, but among placements that tie with it another run may return another",
             )
+    floored = None  # the goal whose throughput floor only an assisted plan may meet
+    if (
+        best is None
+        and not timed_out
+        and host_assist
+        and goal.objective == "throughput"
+        and goal.min_throughput_per_s
+    ):  # no plain placement reaches the floor: search without it, then weigh host assist
+        floored, goal = goal, replace(goal, min_throughput_per_s=None)
+        if chain:
+            best = solve_chain(model, goal, allowed)
+        else:
+            from nicoffload.planner.milp import solve_milp
+
+            result = solve_milp(model, goal, allowed, time_limit=left())
+            best, cut, solves = result.placement, result.cut, solves + result.solves
+            timed_out = best is None and result.status != "infeasible"
+            gaps = (result.gap, result.tie_gap)
     if best is None and timed_out:
         raise PlanError(  # out of time, not a proof that nothing fits
             f"the MILP found no placement in its {time_limit_s:g} s time limit "
@@ -277,12 +295,17 @@ def plan_for(
             "(--time-limit)"
         )
     if best is None:
-        raise _diagnose(pipeline, model, goal, allowed, cli)
+        raise _diagnose(pipeline, model, floored or goal, allowed, cli)
     plan = replace(make_plan(pipeline, topo, model, goal, best), notes=notes)
     plain = best
     pick = None
     if host_assist:
         pick = assist.choose(model, goal, allowed, best, plan.predicted.throughput_per_s)
+    if floored is not None:  # the plain best misses the floor: an assisted plan must meet it
+        floor = floored.min_throughput_per_s * (1 - REL_TOL)
+        if pick is None or pick.throughput_per_s < floor:
+            raise _diagnose(pipeline, model, floored, allowed, cli)
+        goal = floored
     if pick is not None and (
         helped := assist.assisted_plan(pipeline, topo, model, goal, pick, plan)
     ):

@@ -76,6 +76,23 @@ def test_the_throughput_plan_is_assisted_where_that_beats_every_plain_plan():
     assert plan.search["host_assist_weighed"] >= 2
 
 
+def test_a_throughput_floor_only_an_assisted_plan_meets_is_met_by_it():
+    """With host assist asked for, `--min-throughput` above every plain placement's rate is
+    met by the assisted plan, not refused; above the assisted one's too, it is refused."""
+    assisted = plan_for(RESNET, BF3, explain=True, host_assist=True)
+    plain = assisted.explain["host_assist"]["best_without"]["throughput_per_s"]
+    fast = assisted.predicted.throughput_per_s
+    floor = (plain + fast) / 2
+    with pytest.raises(PlanError):
+        plan_for(RESNET, BF3, min_throughput_per_s=floor)
+    plan = plan_for(RESNET, BF3, min_throughput_per_s=floor, host_assist=True)
+    assert physical.host_share(plan, plan.stages[0]) > 0
+    assert plan.predicted.throughput_per_s >= floor
+    assert plan.placement == assisted.placement
+    with pytest.raises(PlanError):
+        plan_for(RESNET, BF3, min_throughput_per_s=fast * 1.5, host_assist=True)
+
+
 def test_the_host_cpu_and_latency_plans_are_never_assisted():
     for objective in ("host-cpu", "latency"):
         plan = plan_for(RESNET, BF3, objective=objective, host_assist=True)
