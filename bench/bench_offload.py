@@ -10,7 +10,8 @@ predicted beside each; first with `run` (every output copied into one RunResult)
 `stream` (each batch read in place, as a serving loop does: no copy of the outputs). Ratios are
 against the all-host placement of the same run.
 
-    python bench/bench_offload.py [--items 256] [--rounds 2] [--no-assist] [--json] [--out FILE.json]
+    python bench/bench_offload.py [--items 256] [--rounds 2] [--no-assist] [--dpu-link shm|tcp]
+        [--only 'all host,decode on dpu'] [--json] [--out FILE.json]
 
 The corpus is ImageNet-size JPEGs (the pipeline's `typical` height and width), from
 bench_prediction.typical_jpegs; every placement is priced at the corpus's own sizes (its mean
@@ -121,10 +122,16 @@ def main() -> int:
     ap.add_argument(
         "--no-assist", action="store_true", help="leave out the DPU placements with host assist"
     )
+    ap.add_argument(
+        "--dpu-link",
+        choices=("shm", "tcp"),
+        help="what the local agent sends the host over (default: the local topology's, shm)",
+    )
+    ap.add_argument("--only", help="comma-separated placement names to run, of those above")
     ap.add_argument("--out", type=Path, help="also write the JSON document here")
     args = ap.parse_args()
     pipeline = nicoffload.load_pipeline(PIPELINE)
-    topology = local_topology()
+    topology = local_topology(dpu_link=args.dpu_link)
     hints = dict(pipeline.inputs["image"].hints)
     images = typical_jpegs(args.items, hints.get("height", 375), hints.get("width", 500))
     # priced at this corpus's sizes (its mean file bytes: decode's cost grows with them), as
@@ -137,9 +144,14 @@ def main() -> int:
         "command": " ".join(sys.argv),
         "load_before": loadavg(),
         "priced_at": typical,
+        "dpu_link": topology.route("dpu0", "cpu")[0].link.transport
+        if "dpu0" in topology.ids
+        else None,
         "placements": {},
     }
     for name, plan in placements(pipeline, topology, not args.no_assist).items():
+        if args.only and name not in args.only.split(","):
+            continue
         print(f"{name} ...", file=sys.stderr, flush=True)
         doc["placements"][name] = measure(pipeline, plan, topology, images, args.rounds)
     doc["load_after"] = loadavg()

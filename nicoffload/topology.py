@@ -12,7 +12,7 @@ import heapq
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,11 @@ class Device:
 
 @dataclass(frozen=True)
 class Link:
-    """A full-duplex link between two devices; each direction carries `bandwidth` bytes/s."""
+    """A full-duplex link between two devices; each direction carries `bandwidth` bytes/s.
+
+    `reverse`, where the two directions move bytes differently, is the b -> a direction's
+    own (a Link from b to a): a local agent's outputs come to the host over shared memory while
+    what the host sends it goes over the agent's tcp connection (`local_topology`)."""
 
     a: str
     b: str
@@ -70,14 +74,19 @@ class Link:
     cpu_ns_per_byte: float
     mark: Mark | None = field(default=None, compare=False)
     cpu_us_per_batch: float = 0.0  # CPU at each CPU end per batch, whatever its size
+    reverse: Link | None = field(default=None, compare=False)
 
     def other(self, end: str) -> str:
         return self.b if end == self.a else self.a
 
+    def toward(self, dst: str) -> Link:
+        """The link as bytes going to `dst` cross it."""
+        return self.reverse if self.reverse is not None and dst == self.a else self
+
 
 @dataclass(frozen=True)
 class Hop:
-    """One directed hop of a route."""
+    """One directed hop of a route; `link` as bytes going src -> dst cross it (`Link.toward`)."""
 
     src: str
     dst: str
@@ -131,10 +140,11 @@ class Topology:
                 if here not in (link.a, link.b):
                     continue
                 there = link.other(here)
-                step = (cost + link.latency_ms + 1e9 / link.bandwidth, hops + 1)
+                way = link.toward(there)
+                step = (cost + way.latency_ms + 1e9 / way.bandwidth, hops + 1)
                 if step < best.get(there, (float("inf"), 0)):
                     best[there] = step
-                    prev[there] = Hop(here, there, link)
+                    prev[there] = Hop(here, there, way)
                     heapq.heappush(heap, (*step, there))
         if dst not in prev:
             raise TopologyError(f"topology '{self.name}': no route from '{src}' to '{dst}'")
@@ -440,12 +450,16 @@ def _measured_link(a: str, b: str, transport: str, profile: str, bandwidth: floa
     return Link(a, b, transport, bw, latency, per_byte, cpu_us_per_batch=per_batch)
 
 
+DPU_LINKS = ("shm", "tcp")  # what a local emulated DPU sends the host over
+
+
 def local_topology(
     *,
     emulate_dpu: bool = True,
     gpu: bool | None = None,
     dpu_share: float = 0.5,
     ingress: str = "cpu",
+    dpu_link: str | None = None,
 ) -> Topology:
     """The machine this runs on: host cpu, an emulated dpu0 on loopback, gpu0 if CUDA works
     (`gpu` True or False forces it in or out; its profile follows its name, `_gpu_profile`).
@@ -455,12 +469,22 @@ def local_topology(
     the DPU; `"dpu0"` when the agent itself receives the requests (serving).
 
     The emulated DPU is the agent daemon pinned to a share of the host's cores; those cores are
-    taken from the host's count so that the planner does not count them twice. Each device's
+    taken from the host's count so that the planner does not count them twice. What it sends
+    the host goes over `dpu_link` (default: `$NICOFFLOAD_DPU_LINK`, else `shm`): shared
+    memory, as a BlueField's agent writes the host's memory (RDMA: no host CPU per byte), or
+    `tcp`, as an agent across a network; what the host sends it goes over the agent's tcp
+    connection either way (the link's `reverse`). Each device's
     profile is this machine's measured one when `nicoffload profile` has written it, else the
     shipped estimate for its kind.
     """
     from nicoffload.profiles import default_profile_for
 
+    dpu_link = dpu_link or os.environ.get("NICOFFLOAD_DPU_LINK") or "shm"
+    if dpu_link not in DPU_LINKS:
+        raise TopologyError(
+            f"the local DPU's link {dpu_link!r} (NICOFFLOAD_DPU_LINK?): expected one of "
+            f"{', '.join(DPU_LINKS)}"
+        )
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     dpu_cores = max(1, int(n * dpu_share)) if emulate_dpu and n > 1 else 0
     host_cores = n - dpu_cores
@@ -474,7 +498,13 @@ def local_topology(
                 "dpu0", "dpu", dpu_cores, float(dpu_cores), mem, "127.0.0.1:7700", cpu_profile, True
             )
         )
-        links.append(_measured_link("dpu0", "cpu", "tcp", cpu_profile, bandwidth=2.5e9))
+        # what the agent sends the host goes over `dpu_link`; what the host sends the agent
+        # (items, and a batch for a DPU stage after a host one) over the agent's connection
+        out = _measured_link("dpu0", "cpu", dpu_link, cpu_profile, bandwidth=2.5e9)
+        if dpu_link != "tcp":
+            back = _measured_link("cpu", "dpu0", "tcp", cpu_profile, bandwidth=2.5e9)
+            out = replace(out, reverse=back)
+        links.append(out)
     gpu_name = _cuda_gpu_name() if gpu is not False else None
     if gpu or gpu_name is not None:
         # capacity 1: GPU profiles cost a whole batch on the whole device, per item

@@ -58,7 +58,9 @@ def scheme(plan: Plan, stage: StagePlan, topology: Topology | None) -> str:
     if link == "inproc" and out is not None and topology is not None:
         dst = next(s.device for s in plan.stages if s.name == out.dst_stage)
         ends = {stage.device, dst}
-        link = next((ln.transport for ln in topology.links if {ln.a, ln.b} == ends), "tcp")
+        link = next(
+            (ln.toward(dst).transport for ln in topology.links if {ln.a, ln.b} == ends), "tcp"
+        )
     return "rdma" if link.startswith("rdma") else "shm" if link == "shm" else "tcp"
 
 

@@ -98,7 +98,8 @@ def test_plan_reports_the_destination_of_each_rdma_transfer_into_a_gpu(tmp_path)
     assert not any("warning" in r for r in rows)
 
 
-def test_plan_reports_a_tcp_transfer_from_the_dpu_into_the_gpu_as_a_pinned_landing(tmp_path):
+@pytest.mark.parametrize("link", ["tcp", "shm"])
+def test_plan_reports_a_transfer_from_the_dpu_into_the_gpu_as_a_pinned_landing(tmp_path, link):
     from pathlib import Path
 
     from nicoffload.graph import load_pipeline
@@ -109,14 +110,14 @@ def test_plan_reports_a_tcp_transfer_from_the_dpu_into_the_gpu_as_a_pinned_landi
     text = Path("pipelines/resnet50.yaml").read_text()
     path = tmp_path / "split.yaml"
     path.write_text(text + "placement: {decode: [dpu], resize: [dpu], crop: [dpu], norm: [gpu]}\n")
-    plan = plan_for(load_pipeline(path), local_topology(gpu=True), runnable=True)
+    plan = plan_for(load_pipeline(path), local_topology(gpu=True, dpu_link=link), runnable=True)
     (row,) = for_plan(plan, ALL)  # only a transfer from a DPU stage into a GPU stage lands
     assert (row["transfer"], row["tensor"], row["destination"]) == (
         "s0-dpu0 -> s1-gpu0",
         "crop",
         PINNED,
     )
-    assert row["reason"].startswith("a tcp receiver's ring is host memory")
+    assert row["reason"].startswith(f"a {link} receiver's ring is host memory")
     # the host feeding the GPU is the executor's pinned staging, not a landing: not listed
     path.write_text(text + "placement: {decode: [cpu], resize: [cpu], crop: [cpu], norm: [gpu]}\n")
     assert for_plan(plan_for(load_pipeline(path), local_topology(gpu=True)), ALL) == []

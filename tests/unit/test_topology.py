@@ -159,7 +159,9 @@ def test_the_local_machine_has_a_host_cpu_and_an_emulated_dpu_sharing_its_cores(
         dpu = topo.device("dpu0")
         assert dpu.emulated and dpu.kind == "dpu"
         assert topo.device("cpu").cores + dpu.cores == n
-        assert topo.links[0].transport == "tcp"
+        # the agent's outputs come over shared memory, what the host sends it over its tcp
+        assert [h.link.transport for h in topo.route("dpu0", "cpu")] == ["shm"]
+        assert [h.link.transport for h in topo.route("cpu", "dpu0")] == ["tcp"]
         # the items of `run` are in this process: moving them to the DPU is priced
         assert topo.ingress == "cpu"
         assert local_topology(gpu=False, ingress="dpu0").ingress == "dpu0"  # serving
@@ -169,3 +171,18 @@ def test_the_local_machine_has_a_host_cpu_and_an_emulated_dpu_sharing_its_cores(
 def test_the_local_gpu_appears_only_when_cuda_works() -> None:
     assert "gpu0" in local_topology(gpu=True).ids
     assert "gpu0" not in local_topology(gpu=False).ids
+
+
+def test_the_local_dpus_link_is_chosen_by_argument_or_environment(monkeypatch) -> None:
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no emulated DPU")
+    as_tcp = local_topology(gpu=False, dpu_link="tcp")
+    assert [h.link.transport for h in as_tcp.route("dpu0", "cpu")] == ["tcp"]
+    assert as_tcp.links[0].reverse is None
+    monkeypatch.setenv("NICOFFLOAD_DPU_LINK", "tcp")
+    assert local_topology(gpu=False).route("dpu0", "cpu")[0].link.transport == "tcp"
+    monkeypatch.setenv("NICOFFLOAD_DPU_LINK", "rdma")
+    with pytest.raises(TopologyError, match="expected one of shm, tcp"):
+        local_topology(gpu=False)
