@@ -44,8 +44,10 @@ def _cores(d: Device, n: int) -> Device:
 
 
 def _speed(link: Link, bandwidth: float | None, latency_ms: float | None) -> Link:
+    """The link at the fleet's speed, both directions (`Link.reverse`) alike."""
     return replace(
         link,
         bandwidth=link.bandwidth if bandwidth is None else bandwidth,
         latency_ms=link.latency_ms if latency_ms is None else latency_ms,
+        reverse=None if link.reverse is None else _speed(link.reverse, bandwidth, latency_ms),
     )
