@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -182,6 +183,35 @@ def _diagnose(
     return PlanError("; ".join(parts), mark)
 
 
+def _milp_notes(result: Any, time_limit_s: float, objective: str) -> tuple[str, ...]:
+    """What a plan says of a MILP search its time limit cut short (nothing if it was not)."""
+    if result.placement is None:
+        return ()
+    if result.gap > 1e-6:
+        proven = (
+            f": this plan is proven within {result.gap:.1%} of the optimum, not optimal"
+            if result.gap < 1
+            else " before it proved any bound: this plan is not shown to be near the optimum"
+        )
+        return (f"the MILP stopped at its {time_limit_s:g} s time limit{proven}",)
+    if result.tie_gap > 1e-6:
+        proven = (
+            f"is proven only within {result.tie_gap:.1%} of the best"
+            if np.isfinite(result.tie_gap)
+            else "was not compared"
+        )
+        return (
+            f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
+            f"is optimal, but among plans that tie on it its {OBJECTIVE[objective].tie_break} {proven}",
+        )
+    if result.cut:
+        return (
+            f"the MILP reached its {time_limit_s:g} s time limit: this plan is proven "
+            "optimal, but among placements that tie with it another run may return another",
+        )
+    return ()
+
+
 def plan_for(
     pipeline: Pipeline,
     topology: Topology | str | Path | None = None,
@@ -239,37 +269,21 @@ def plan_for(
     timed_out = cut = False
     solves = 0
     gaps: tuple[float, float] = (0.0, 0.0)  # proven: the objective's, its tie-break's
-    if chain:
-        best = solve_chain(model, goal, allowed)
-    else:
+
+    def search(goal: Goal) -> tuple[np.ndarray | None, tuple[str, ...]]:
+        """The best placement for `goal` and the notes of a MILP cut short."""
+        nonlocal timed_out, cut, solves, gaps
+        if chain:
+            return solve_chain(model, goal, allowed), ()
         from nicoffload.planner.milp import solve_milp
 
         result = solve_milp(model, goal, allowed, time_limit=left())
-        best, cut, solves = result.placement, result.cut, result.solves
-        timed_out = best is None and result.status != "infeasible"
+        cut, solves = result.cut, solves + result.solves
+        timed_out = result.placement is None and result.status != "infeasible"
         gaps = (result.gap, result.tie_gap)
-        if best is not None and result.gap > 1e-6:
-            proven = (
-                f": this plan is proven within {result.gap:.1%} of the optimum, not optimal"
-                if result.gap < 1
-                else " before it proved any bound: this plan is not shown to be near the optimum"
-            )
-            notes += (f"the MILP stopped at its {time_limit_s:g} s time limit{proven}",)
-        elif best is not None and result.tie_gap > 1e-6:
-            proven = (
-                f"is proven only within {result.tie_gap:.1%} of the best"
-                if np.isfinite(result.tie_gap)
-                else "was not compared"
-            )
-            notes += (
-                f"the MILP stopped at its {time_limit_s:g} s time limit: the plan's {objective} "
-                f"is optimal, but among plans that tie on it its {OBJECTIVE[objective].tie_break} {proven}",
-            )
-        elif best is not None and cut:
-            notes += (
-                f"the MILP reached its {time_limit_s:g} s time limit: this plan is proven "
-                "optimal, but among placements that tie with it another run may return another",
-            )
+        return result.placement, _milp_notes(result, time_limit_s, goal.objective)
+
+    best, said = search(goal)
     floored = None  # the goal whose throughput floor only an assisted plan may meet
     if (
         best is None
@@ -279,15 +293,8 @@ def plan_for(
         and goal.min_throughput_per_s
     ):  # no plain placement reaches the floor: search without it, then weigh host assist
         floored, goal = goal, replace(goal, min_throughput_per_s=None)
-        if chain:
-            best = solve_chain(model, goal, allowed)
-        else:
-            from nicoffload.planner.milp import solve_milp
-
-            result = solve_milp(model, goal, allowed, time_limit=left())
-            best, cut, solves = result.placement, result.cut, solves + result.solves
-            timed_out = best is None and result.status != "infeasible"
-            gaps = (result.gap, result.tie_gap)
+        best, said = search(goal)
+    notes += said
     if best is None and timed_out:
         raise PlanError(  # out of time, not a proof that nothing fits
             f"the MILP found no placement in its {time_limit_s:g} s time limit "
