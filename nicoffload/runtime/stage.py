@@ -174,14 +174,14 @@ class Stage:
         try:
             for i, step in enumerate(self.steps):
                 args = [values[k] for k in step.reads]
-                if len(step.writes) == 1:
-                    out = dests.get(step.writes[0])
-                    targets: tuple[Any, ...] = (out,)
-                    if out is not None and not hasattr(out, "shape") and not step.allocates:
+                targets: tuple[Any, ...] = tuple(dests.get(k) for k in step.writes)
+                arrays = tuple(hasattr(d, "shape") for d in targets)  # else an allocator
+                if len(targets) == 1:
+                    out = targets[0]
+                    if out is not None and not arrays[0] and not step.allocates:
                         out = None  # an allocator, to a kernel that does not take one
                 else:
-                    targets = tuple(dests.get(k) for k in step.writes)
-                    out = targets if all(hasattr(d, "shape") for d in targets) else None
+                    out = targets if all(arrays) else None
                 t0, c0 = clock(), thread_clock()
                 try:
                     result = step.fn(*args, out=out)
@@ -190,11 +190,13 @@ class Stage:
                     wall[i] += clock() - t0
                     calls[i] += 1
                 results = (result,) if len(step.writes) == 1 else result
-                for key, value, target in zip(step.writes, results, targets, strict=True):
+                for key, value, target, array in zip(
+                    step.writes, results, targets, arrays, strict=True
+                ):
                     if target is not None:
-                        if target is out and not hasattr(target, "shape"):
+                        if target is out and not array:
                             pass  # the kernel wrote into what it took from the allocator
-                        elif not hasattr(target, "shape"):  # copied into an allocated one
+                        elif not array:  # copied into an allocated one
                             value = _into(target(value.shape, value.dtype), value)
                         elif value is not target:  # not direct, or a kernel that ignored `out`
                             target[...] = value
