@@ -17,8 +17,9 @@ from nicoffload.topology import Topology
 
 
 def _bandwidth(topology: Topology, hop: str) -> float:
+    """A hop's bandwidth in its direction (`Link.toward`)."""
     a, b = hop.split("->")
-    return next(k.bandwidth for k in topology.links if {k.a, k.b} == {a, b})
+    return next(k.toward(b).bandwidth for k in topology.links if {k.a, k.b} == {a, b})
 
 
 def resource(model: CostModel, topology: Topology, m: Metrics, k: int) -> dict[str, Any]:

@@ -186,3 +186,26 @@ def test_the_local_dpus_link_is_chosen_by_argument_or_environment(monkeypatch) -
     monkeypatch.setenv("NICOFFLOAD_DPU_LINK", "rdma")
     with pytest.raises(TopologyError, match="expected one of shm, tcp"):
         local_topology(gpu=False)
+
+
+def test_a_plans_explanation_gives_each_hop_its_own_directions_bandwidth() -> None:
+    import dataclasses
+    import os
+
+    from nicoffload.graph import load_pipeline
+    from nicoffload.planner import plan_for
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no emulated DPU")
+    topo = local_topology(gpu=False, dpu_link="shm")
+    (link,) = topo.links
+    slow = dataclasses.replace(link.reverse, bandwidth=1e9)  # cpu -> dpu0: 8 Gb/s
+    topo = dataclasses.replace(
+        topo, links=(dataclasses.replace(link, bandwidth=8e9, reverse=slow),)
+    )
+    pipeline = load_pipeline(Path(__file__).resolve().parents[2] / "pipelines" / "resnet50.yaml")
+    plan = plan_for(pipeline, topo, objective="host-cpu", explain=True)
+    links = plan.explain["links"]
+    assert links["cpu->dpu0"]["bandwidth_gbps"] == 8.0
+    if "dpu0->cpu" in links:
+        assert links["dpu0->cpu"]["bandwidth_gbps"] == 64.0
