@@ -4,6 +4,7 @@ an Unpacker turns a DATA frame into zero-copy views (receiver), a Ledger tracks 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -147,8 +148,17 @@ def copy_flat(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             runs[-1].append((dst[at : at + take], src[at : at + take]))
             at += take
             room -= take
-    futures = [_pool().submit(_copy_run, run) for run in runs[1:]]
-    _copy_run(runs[0])
+    futures, here = [], [runs[0]]
+    for run in runs[1:]:
+        try:
+            futures.append(_pool().submit(_copy_run, run))
+        except RuntimeError:  # the interpreter is shutting down: no pool takes new work
+            here.append(run)
+    try:
+        for run in here:
+            _copy_run(run)
+    finally:  # returns or raises only once no pool thread still writes into the slot
+        concurrent.futures.wait(futures)
     for f in futures:
         f.result()
 
