@@ -118,11 +118,15 @@ def _route(plan: Plan, model: Any, single: Any, best: np.ndarray, size: int) -> 
         d = model.devices.index(st.device)
         ms = float(st.predicted_ms_per_item or 0.0)
         serial, serial_batch = _per_batch(float(serial_row[d]), float(serial1[d]), size)
-        if not model.host[d]:
+        if model.host[d]:
+            serial = min(serial, ms)  # part of the host stage's own time
+        elif not model.kinds or model.kinds[d] != "dpu":
             serial = serial_batch = 0.0
+        # (a DPU stage's, on the general path, is the host process's, beside the DPU's work:
+        # it hands the rows to the agent and puts what comes back into the batch)
         # a stage's per-batch interpreter time is the runtime's per-batch work on the host:
         # CPU time the cost model shares over a full batch, paid by every batch here
-        visits.append(Visit(st.device, ms, min(serial, ms), serial_batch, serial_batch))
+        visits.append(Visit(st.device, ms, serial, serial_batch, serial_batch))
         placed[st.device] = placed.get(st.device, 0.0) + ms
         hops(t for t in plan.transfers if t.src_stage == st.name)
         hops(t for t in plan.io_transfers if t.src_stage == st.name)
