@@ -40,6 +40,24 @@ class SessionClosed(SystemFailure):
     """The session was closed before (or while) a call ran."""
 
 
+def _host_share(prep: Prepared) -> contextlib.AbstractContextManager[Any]:
+    """Where the topology emulates a DPU on this machine's cores and the plan starts no agent on
+    them (all on the host, or on the host and a GPU), the host's threads keep to the host's
+    share of the cores all the same, as the planner counts them (`local_topology`) and as they
+    do beside a running agent (`remote.cores_apart`; the agent takes the first cores)."""
+    import os
+
+    from nicoffload.runtime.remote import cores_apart
+
+    topo = prep.topology
+    if topo is None or not hasattr(os, "sched_getaffinity"):
+        return contextlib.nullcontext()
+    emulated = [d for d in topo.devices if d.emulated]
+    if not emulated or any(topo.device(s.device).emulated for s in prep.plan.stages):
+        return contextlib.nullcontext()  # none, or its agent's front keeps the host apart
+    return cores_apart(sorted(os.sched_getaffinity(0))[: sum(d.cores for d in emulated)])
+
+
 class Session:
     """An open pipeline. Calls run one at a time, in the order they are made (`submit` queues
     them); each call's items are numbered from 0 in its own RunResult."""
@@ -61,6 +79,7 @@ class Session:
         try:
             # one front per DPU stage, opened once and reused by every call
             self.fronts = self._stack.enter_context(open_fronts(prep))
+            self._stack.enter_context(_host_share(prep))
             self.front = self.fronts.get(prep.plan.stages[0].name)  # the leading DPU stage's
             self.executor = self._stack.enter_context(
                 executor_for(prep.pipeline, prep.plan, workers=workers, fronts=self.fronts)
