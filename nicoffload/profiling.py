@@ -133,6 +133,11 @@ def _stream_send() -> None:
 
     address, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     key = bytes.fromhex(sys.stdin.readline().strip())
+    if hasattr(os, "sched_setaffinity"):  # the cores a local agent gets (local_topology's
+        # dpu0 share, half, the first ones: dpu_agents.server.pin_cores): a big batch is copied
+        # into a shm slot by as many threads as the sender has cores (slots.copy_flat)
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, allowed[: max(1, len(allowed) // 2)])
     payload = np.ones(size, np.uint8)
     with connect(address, key=key) as tx:
         for i in range(n + 1):
