@@ -123,17 +123,27 @@ def _add_serial(b: _Builder, model: CostModel, x: dict, T: int) -> None:
     fast, general = model.serial[0], model.serial[1]
     g = b.var(0, 1, True) if np.any(general != fast) else None
     if g is not None:
+        # g = OR of the general path's causes, each z = x[v,d] AND NOT x[u,d]: bounded below by
+        # each (g >= x[v,d] - x[u,d]) and above by their sum, so that where the general path's
+        # figure is the cheaper a plan of the fast path's shape cannot pay it
+        causes = []
         for (v, d), col in x.items():
             if kinds[d] == "dpu" and v > 0:  # a DPU stage that does not come first
-                b.row(
-                    {g: 1.0, col: -1.0, **({x[v - 1, d]: 1.0} if (v - 1, d) in x else {})}, lo=0.0
-                )
+                u: tuple[int, int] | None = (v - 1, d)
             elif kinds[d] == "gpu" and v < n - 1:  # a GPU stage that something follows
-                b.row(
-                    {g: 1.0, col: -1.0, **({x[v + 1, d]: 1.0} if (v + 1, d) in x else {})}, lo=0.0
-                )
+                u = (v + 1, d)
             elif kinds[d] not in ("cpu", "dpu", "gpu"):
-                b.row({g: 1.0, col: -1.0}, lo=0.0)
+                u = None
+            else:
+                continue
+            other = {x[u]: 1.0} if u is not None and u in x else {}
+            b.row({g: 1.0, col: -1.0, **other}, lo=0.0)
+            z = b.var(0, 1)
+            b.row({z: 1.0, col: -1.0}, hi=0.0)
+            if other:
+                b.row({z: 1.0, **other}, hi=1.0)
+            causes.append(z)
+        b.row({g: 1.0, **{z: -1.0 for z in causes}}, hi=0.0)
     row = {T: 1.0}
     for (v, d), col in x.items():
         if not (fast[d] or general[d]):
