@@ -480,7 +480,7 @@ def local_topology(
     from nicoffload.profiles import default_profile_for
 
     dpu_link = dpu_link or os.environ.get("NICOFFLOAD_DPU_LINK") or "shm"
-    if dpu_link not in DPU_LINKS:
+    if emulate_dpu and dpu_link not in DPU_LINKS:
         raise TopologyError(
             f"the local DPU's link {dpu_link!r} (NICOFFLOAD_DPU_LINK?): expected one of "
             f"{', '.join(DPU_LINKS)}"

@@ -186,6 +186,7 @@ def test_the_local_dpus_link_is_chosen_by_argument_or_environment(monkeypatch) -
     monkeypatch.setenv("NICOFFLOAD_DPU_LINK", "rdma")
     with pytest.raises(TopologyError, match="expected one of shm, tcp"):
         local_topology(gpu=False)
+    assert "dpu0" not in local_topology(gpu=False, emulate_dpu=False).ids  # no DPU: no link
 
 
 def test_a_plans_explanation_gives_each_hop_its_own_directions_bandwidth() -> None:
