@@ -120,10 +120,11 @@ def _route(plan: Plan, model: Any, single: Any, best: np.ndarray, size: int) -> 
         serial, serial_batch = _per_batch(float(serial_row[d]), float(serial1[d]), size)
         if model.host[d]:
             serial = min(serial, ms)  # part of the host stage's own time
-        elif not model.kinds or model.kinds[d] != "dpu":
+        elif not model.kinds or model.kinds[d] not in ("dpu", "gpu"):
             serial = serial_batch = 0.0
         # (a DPU stage's, on the general path, is the host process's, beside the DPU's work:
-        # it hands the rows to the agent and puts what comes back into the batch)
+        # it hands the rows to the agent and puts what comes back into the batch; a GPU
+        # stage's is the host's Python that feeds the GPU and hands its batches on)
         # a stage's per-batch interpreter time is the runtime's per-batch work on the host:
         # CPU time the cost model shares over a full batch, paid by every batch here
         visits.append(Visit(st.device, ms, serial, serial_batch, serial_batch))

@@ -70,3 +70,46 @@ def test_the_routes_interpreter_time_is_the_planners(tmp_path: Path, placement) 
     size = pipeline.batch_max_size
     held = sum(v.serial_ms + v.serial_batch_ms / size for v in route.visits)
     assert held == pytest.approx(serial_load(model, best[None, :])[0], rel=1e-9, abs=1e-12)
+
+
+GPU_TOPOLOGY = """\
+name: host-and-gpu
+ingress: cpu
+egress: gpu0
+devices:
+  cpu: {kind: cpu, cores: 8}
+  gpu0: {kind: gpu}
+links:
+  - {between: [cpu, gpu0], transport: pcie, bandwidth: 100000Gb/s, latency: 1us}
+"""
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ("gpu0", "gpu0", "gpu0", "gpu0"),  # the fast path: a GPU stage fed by the host process
+        ("cpu", "cpu", "gpu0", "gpu0"),
+        ("gpu0", "gpu0", "cpu", "cpu"),  # the general path
+    ],
+)
+def test_a_gpu_stages_interpreter_time_is_the_planners_too(tmp_path: Path, placement) -> None:
+    """The host process feeds a GPU stage and hands its batches on: the planner charges the
+    GPU profile's serial figures to the host's interpreter; the route held none of it."""
+    path = tmp_path / "topology.yaml"
+    path.write_text(GPU_TOPOLOGY)
+    topology = load_topology(path)
+    cpu = _profile("cpu", serial_us_per_item=10.0, serial_us_per_batch=0.0)
+    gpu = _profile("gpu", serial_us_per_item=200.0, serial_us_per_batch=640.0)
+    profiles = resolve_profiles(topology, [cpu, gpu])
+    pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
+    catalog = Catalog.from_registry()
+    model = build_model(pipeline, topology, profiles, catalog)
+    single = build_model(replace(pipeline, batch_max_size=1), topology, profiles, catalog)
+    pinned = dict(zip(model.nodes, placement, strict=True))
+    plan = plan_placement(pipeline, pinned, str(path), [cpu, gpu])
+    best = np.array([model.devices.index(d) for d in placement], np.intp)
+    route = _route(plan, model, single, best, pipeline.batch_max_size)
+    size = pipeline.batch_max_size
+    held = sum(v.serial_ms + v.serial_batch_ms / size for v in route.visits)
+    assert held > 0
+    assert held == pytest.approx(serial_load(model, best[None, :])[0], rel=1e-9, abs=1e-12)
