@@ -1,10 +1,16 @@
 """CPU seconds of processes of this machine, from /proc: a process, the processes it started,
-this process's local agents (their worker processes included)."""
+this process's local agents (their worker processes included); the cores this process may run
+on."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity; every core where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def process_cpu_s(pid: int) -> float:

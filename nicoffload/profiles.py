@@ -77,7 +77,7 @@ class LinkCost:
     # links were measured through nicoffload's own transports (its CPU figures are raw sockets')
     cpu_us_per_batch: float | None = 0.0
     # the bandwidth measured from another process, as an agent's outputs reach the host
-    # (`profiling.stream_bandwidth`); False: between two threads of one process, before it was
+    # (`profiling_links.stream_bandwidth`); False: between two threads of one process, before it was
     across: bool = False
 
 

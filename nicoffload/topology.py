@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nicoffload.errors import Mark, TopologyError
+from nicoffload.procstat import cores
 from nicoffload.yamlmarks import MMap, MSeq, did_you_mean, read_marked
 
 KINDS = ("cpu", "dpu", "gpu")
@@ -485,7 +486,7 @@ def local_topology(
             f"the local DPU's link {dpu_link!r} (NICOFFLOAD_DPU_LINK?): expected one of "
             f"{', '.join(DPU_LINKS)}"
         )
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = cores()
     dpu_cores = max(1, int(n * dpu_share)) if emulate_dpu and n > 1 else 0
     host_cores = n - dpu_cores
     mem = _host_memory()

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from nicoffload.errors import FrameError, TransportError
+from nicoffload.procstat import cores
 from nicoffload.transport.frame import (
     DataMeta,
     DType,
@@ -107,20 +108,16 @@ _copy_lock = threading.Lock()
 
 def copy_threads() -> int:
     """The threads a big copy is cut for: COPY_THREADS, at most the cores this may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(COPY_THREADS, cores))
+    return max(1, min(COPY_THREADS, cores()))
 
 
 def _pool() -> Any:
     global _copy_pool
     with _copy_lock:
         if _copy_pool is None or _copy_pool[0] != os.getpid():
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="nicoffload-copy")
+            pool = concurrent.futures.ThreadPoolExecutor(
+                COPY_THREADS - 1, thread_name_prefix="nicoffload-copy"
+            )
             _copy_pool = (os.getpid(), pool)
         return _copy_pool[1]
 
@@ -130,10 +127,9 @@ def copy_flat(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     and more in all, cut into `copy_threads()` runs of about equal bytes, one in this thread and
     the others on a pool (numpy lets the GIL go while it copies)."""
     total = sum(src.nbytes for _, src in pairs)
-    n = copy_threads()
-    if total < PARALLEL_COPY_BYTES or n < 2:
-        for dst, src in pairs:
-            np.copyto(dst, src)
+    n = copy_threads() if total >= PARALLEL_COPY_BYTES else 1  # no affinity call per small one
+    if n < 2:
+        _copy_run(pairs)
         return
     share = -(-total // n)
     runs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
@@ -148,10 +144,10 @@ def copy_flat(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             runs[-1].append((dst[at : at + take], src[at : at + take]))
             at += take
             room -= take
-    futures, here = [], [runs[0]]
+    futures, here, pool = [], [runs[0]], _pool()
     for run in runs[1:]:
         try:
-            futures.append(_pool().submit(_copy_run, run))
+            futures.append(pool.submit(_copy_run, run))
         except RuntimeError:  # the interpreter is shutting down: no pool takes new work
             here.append(run)
     try:
@@ -163,7 +159,7 @@ def copy_flat(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         f.result()
 
 
-def _copy_run(run: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_run(run: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in run:
         np.copyto(dst, src)
 

@@ -1,5 +1,5 @@
 """`nicoffload profile` measures a link's bandwidth from another process, as a stage's outputs
-leave an agent for the host (`profiling.stream_bandwidth`): between two threads of one process
+leave an agent for the host (`profiling_links.stream_bandwidth`): between two threads of one process
 the same tcp moved 2.1-2.4x as much on the H200 host, and the planner priced decode on the DPU
 +102-113% high by it."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from nicoffload import profiling
+from nicoffload import profiling_links
 from nicoffload.profiles import LinkCost, Profile, profile_from_json
 
 
@@ -23,8 +23,8 @@ def test_the_bandwidth_is_measured_from_another_process(scheme, monkeypatch) -> 
         started.append(list(args))
         return real(args, *a, **kw)
 
-    monkeypatch.setattr(profiling.subprocess, "Popen", popen)
-    bandwidth = profiling.stream_bandwidth(scheme, 1 << 20, 4)
+    monkeypatch.setattr(profiling_links.subprocess, "Popen", popen)
+    bandwidth = profiling_links.stream_bandwidth(scheme, 1 << 20, 4)
     assert bandwidth > 0
     assert len(started) == 1 and started[0][0] == sys.executable  # the sender: its own process
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_planner_host_serial import TOPOLOGY as GPU_TOPOLOGY  # host and GPU
 
 from nicoffload.fleet.model import _route
 from nicoffload.graph import load_pipeline
@@ -39,6 +40,28 @@ def _profile(kind: str, **runtime) -> Profile:
     return Profile(kind, kernels, method="measured: by hand, for a test", **runtime)
 
 
+def _held_and_charged(
+    tmp_path: Path, topology_text: str, given: list[Profile], placement: tuple[str, ...]
+) -> tuple[float, float]:
+    """(the host interpreter time the simulator's route holds per item, the planner's
+    `serial_load`) of `placement` on the topology, priced by `given` profiles."""
+    path = tmp_path / "topology.yaml"
+    path.write_text(topology_text)
+    topology = load_topology(path)
+    profiles = resolve_profiles(topology, given)
+    pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
+    catalog = Catalog.from_registry()
+    model = build_model(pipeline, topology, profiles, catalog)
+    single = build_model(replace(pipeline, batch_max_size=1), topology, profiles, catalog)
+    pinned = dict(zip(model.nodes, placement, strict=True))
+    plan = plan_placement(pipeline, pinned, str(path), given)
+    best = np.array([model.devices.index(d) for d in placement], np.intp)
+    route = _route(plan, model, single, best, pipeline.batch_max_size)
+    size = pipeline.batch_max_size
+    held = sum(v.serial_ms + v.serial_batch_ms / size for v in route.visits)
+    return held, float(serial_load(model, best[None, :])[0])
+
+
 @pytest.mark.parametrize(
     "placement",
     [
@@ -48,9 +71,6 @@ def _profile(kind: str, **runtime) -> Profile:
     ],
 )
 def test_the_routes_interpreter_time_is_the_planners(tmp_path: Path, placement) -> None:
-    path = tmp_path / "topology.yaml"
-    path.write_text(TOPOLOGY)
-    topology = load_topology(path)
     cpu = _profile(
         "cpu",
         serial_us_per_item=10.0,
@@ -58,30 +78,8 @@ def test_the_routes_interpreter_time_is_the_planners(tmp_path: Path, placement) 
         serial_general_us_per_item=300.0,
         serial_general_us_per_batch=0.0,
     )
-    profiles = resolve_profiles(topology, [cpu, _profile("dpu")])
-    pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
-    catalog = Catalog.from_registry()
-    model = build_model(pipeline, topology, profiles, catalog)
-    single = build_model(replace(pipeline, batch_max_size=1), topology, profiles, catalog)
-    pinned = dict(zip(model.nodes, placement, strict=True))
-    plan = plan_placement(pipeline, pinned, str(path), [cpu, _profile("dpu")])
-    best = np.array([model.devices.index(d) for d in placement], np.intp)
-    route = _route(plan, model, single, best, pipeline.batch_max_size)
-    size = pipeline.batch_max_size
-    held = sum(v.serial_ms + v.serial_batch_ms / size for v in route.visits)
-    assert held == pytest.approx(serial_load(model, best[None, :])[0], rel=1e-9, abs=1e-12)
-
-
-GPU_TOPOLOGY = """\
-name: host-and-gpu
-ingress: cpu
-egress: gpu0
-devices:
-  cpu: {kind: cpu, cores: 8}
-  gpu0: {kind: gpu}
-links:
-  - {between: [cpu, gpu0], transport: pcie, bandwidth: 100000Gb/s, latency: 1us}
-"""
+    held, charged = _held_and_charged(tmp_path, TOPOLOGY, [cpu, _profile("dpu")], placement)
+    assert held == pytest.approx(charged, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -95,21 +93,8 @@ links:
 def test_a_gpu_stages_interpreter_time_is_the_planners_too(tmp_path: Path, placement) -> None:
     """The host process feeds a GPU stage and hands its batches on: the planner charges the
     GPU profile's serial figures to the host's interpreter; the route held none of it."""
-    path = tmp_path / "topology.yaml"
-    path.write_text(GPU_TOPOLOGY)
-    topology = load_topology(path)
     cpu = _profile("cpu", serial_us_per_item=10.0, serial_us_per_batch=0.0)
     gpu = _profile("gpu", serial_us_per_item=200.0, serial_us_per_batch=640.0)
-    profiles = resolve_profiles(topology, [cpu, gpu])
-    pipeline = load_pipeline(ROOT / "pipelines" / "resnet50.yaml")
-    catalog = Catalog.from_registry()
-    model = build_model(pipeline, topology, profiles, catalog)
-    single = build_model(replace(pipeline, batch_max_size=1), topology, profiles, catalog)
-    pinned = dict(zip(model.nodes, placement, strict=True))
-    plan = plan_placement(pipeline, pinned, str(path), [cpu, gpu])
-    best = np.array([model.devices.index(d) for d in placement], np.intp)
-    route = _route(plan, model, single, best, pipeline.batch_max_size)
-    size = pipeline.batch_max_size
-    held = sum(v.serial_ms + v.serial_batch_ms / size for v in route.visits)
+    held, charged = _held_and_charged(tmp_path, GPU_TOPOLOGY, [cpu, gpu], placement)
     assert held > 0
-    assert held == pytest.approx(serial_load(model, best[None, :])[0], rel=1e-9, abs=1e-12)
+    assert held == pytest.approx(charged, rel=1e-9, abs=1e-12)

@@ -26,18 +26,26 @@ from nicoffload.planner.solve import solve
 FEWER = settings(max_examples=40, deadline=None, derandomize=True)  # the suite's time: 4 x ~5 s
 
 
-def with_serial(model: CostModel, seed: int, kinds: bool = True) -> CostModel:
-    """`model` with ms per item of serial time on its host and GPU devices, the general path's
-    at 1-2x the fast path's, and (with `kinds`) its devices' kinds, so that the path depends on
-    the placement's shape."""
-    rng = np.random.default_rng(seed ^ 0x5E51A1)
+def with_serial(
+    model: CostModel,
+    seed: int,
+    kinds: bool = True,
+    *,
+    fast: tuple[float, float] = (0.0, 3.0),
+    general: tuple[float, float] = (1.0, 2.0),
+    salt: int = 0x5E51A1,
+) -> CostModel:
+    """`model` with ms per item of serial time on its host and GPU devices (the fast path's
+    drawn from `fast`), the general path's at `general` times the fast path's (1-2x), and (with
+    `kinds`) its devices' kinds, so that the path depends on the placement's shape."""
+    rng = np.random.default_rng(seed ^ salt)
     D = len(model.devices)
     names = [d.rstrip("0123456789") for d in model.devices]
     serial = np.zeros((2, D))
     for d in range(D):
         if model.host[d] or names[d] == "gpu":
-            serial[0, d] = rng.uniform(0.0, 3.0)
-            serial[1, d] = serial[0, d] * rng.uniform(1.0, 2.0)
+            serial[0, d] = rng.uniform(*fast)
+            serial[1, d] = serial[0, d] * rng.uniform(*general)
     return dataclasses.replace(model, serial=serial, kinds=tuple(names) if kinds else ())
 
 

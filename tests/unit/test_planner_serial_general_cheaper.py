@@ -8,9 +8,6 @@ fast path's."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 from hypothesis import given, settings
 from test_planner_properties import (
     SEEDS,
@@ -19,6 +16,7 @@ from test_planner_properties import (
     random_goal,
     random_model,
 )
+from test_planner_serial_exact import with_serial
 
 from nicoffload.planner.cost import CostModel
 from nicoffload.planner.milp import solve_milp, solve_nodes
@@ -27,15 +25,7 @@ FEWER = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 def with_cheaper_general(model: CostModel, seed: int) -> CostModel:
-    rng = np.random.default_rng(seed ^ 0xC4EA9)
-    D = len(model.devices)
-    names = [d.rstrip("0123456789") for d in model.devices]
-    serial = np.zeros((2, D))
-    for d in range(D):
-        if model.host[d] or names[d] == "gpu":
-            serial[0, d] = rng.uniform(0.5, 3.0)
-            serial[1, d] = serial[0, d] * rng.uniform(0.2, 1.0)
-    return dataclasses.replace(model, serial=serial, kinds=tuple(names))
+    return with_serial(model, seed, fast=(0.5, 3.0), general=(0.2, 1.0), salt=0xC4EA9)
 
 
 @FEWER

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from nicoffload import profiling
+from nicoffload import profiling_links
 from nicoffload.topology import local_topology
 
 
@@ -43,7 +43,7 @@ def test_the_sending_process_runs_on_the_emulated_dpus_cores(monkeypatch) -> Non
     monkeypatch.setattr(sys, "argv", ["-c", "shm://x", "16", "2"])
     monkeypatch.setattr(sys, "stdin", io.StringIO("00" * 32 + "\n"))
     try:
-        profiling._stream_send()
+        profiling_links._stream_send()
     finally:
         os.sched_setaffinity(0, before)
     dpu = local_topology(gpu=False).device("dpu0") if len(before) > 1 else None

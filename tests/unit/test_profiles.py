@@ -296,13 +296,15 @@ def test_a_profile_measured_before_links_had_a_per_batch_cost_is_not_trusted_for
 def test_links_are_measured_through_nicoffloads_own_transports() -> None:
     """A real exchange over the keyed tcp transport and over shm: bytes cost CPU on tcp (each
     end copies and MACs them), and each batch costs something on both."""
-    from nicoffload import profiling
+    from nicoffload import profiling_links
 
-    wall, cpu = profiling.exchange("tcp", 1 << 16, 20)
+    wall, cpu = profiling_links.exchange("tcp", 1 << 16, 20)
     assert wall > 0 and cpu > 0
-    per_batch_us, per_byte_ns = profiling.fit_per_batch([(0, 50e-6), (1000, 51e-6), (2000, 52e-6)])
+    per_batch_us, per_byte_ns = profiling_links.fit_per_batch(
+        [(0, 50e-6), (1000, 51e-6), (2000, 52e-6)]
+    )
     assert per_batch_us == pytest.approx(50.0) and per_byte_ns == pytest.approx(1.0)
-    wall, cpu = profiling.exchange("shm", 1 << 16, 20)
+    wall, cpu = profiling_links.exchange("shm", 1 << 16, 20)
     assert wall > 0 and cpu > 0
 
 
