@@ -169,6 +169,8 @@ async def run(control: socket.socket, cfg: dict[str, Any]) -> int:
                 batcher.answer(msg)
             elif msg[0] == "drain":
                 drain.set()
+            elif msg[0] == "exit":
+                return ""
 
     reading = asyncio.ensure_future(messages())
     draining = asyncio.ensure_future(drain.wait())
@@ -181,7 +183,9 @@ async def run(control: socket.socket, cfg: dict[str, Any]) -> int:
         await server.drain()  # the answers still come in on `reading`
         writer.write(wire.frame(("drained", os.getpid())))
         await writer.drain()
-        reading.cancel()
+        # still accepting, answering 503, until every front has drained: a connection this
+        # front took from the shared socket is answered, not closed unread as it goes
+        await reading
     draining.cancel()
     if grpc_server is not None:
         await grpc_server.stop(None)

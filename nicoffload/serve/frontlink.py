@@ -43,6 +43,7 @@ class FrontLink:
         self.counts = LinkCounts()
         self.dead = False
         self.drained = False
+        self.settled = threading.Event()  # drained, or gone
         # guards `in_flight`, `unsent`, `dead`, the counts and the socket's writes; held while
         # an answer's outputs go into their slot, so that none lands once the front is gone
         # (its slots go to the front started in its place)
@@ -65,15 +66,17 @@ class FrontLink:
                 self._requests(msg[1])
             elif msg[0] == "drained":
                 self.drained = True
+                self.settled.set()
         with self.lock:
             self.dead = True
             lost = len(self.in_flight)
+        self.settled.set()
         stream.close()
         self.sock.close()
         return lost
 
     def send(self, msg: Any) -> None:
-        """A message to the front (`drain`); nothing when it has gone."""
+        """A message to the front (`drain`, `exit`); nothing when it has gone."""
         with self.lock, contextlib.suppress(OSError):
             wire.send(self.sock, msg)
 

@@ -236,6 +236,12 @@ class Fronts:
         for f in live:
             f.link.send(("drain",))
         end = time.monotonic() + timeout_s
+        # each keeps answering 503 until all have drained, then all exit: the shared socket has
+        # a front accepting on it to the end
+        for f in live:
+            f.link.settled.wait(max(0.1, end - time.monotonic()))
+        for f in live:
+            f.link.send(("exit",))
         for f in live:
             try:
                 f.proc.wait(max(0.1, end - time.monotonic()))

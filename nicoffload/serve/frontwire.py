@@ -13,7 +13,8 @@ The messages: the front's `("ready", pid, event loop)` (`eventloop.chosen()`) an
 the requests a front had ready in one turn of its event loop, each `(id, slot, in slot,
 layout or items, arrived, parsed, deadline)`; `("anss", [answer, ..])`, the answers decided
 in one round of the batcher, each `(id, status, error, timings, retry, decided, where,
-outputs' layout or arrays)`; and the Session's `("drain",)`.
+outputs' layout or arrays)`; and the Session's `("drain",)` and, once every front has
+drained, `("exit",)`.
 """
 
 from __future__ import annotations
