@@ -67,6 +67,7 @@ class Segment:
         finally:
             os.close(fd)
         self.array: np.ndarray | None = np.frombuffer(self._mmap, np.uint8)
+        _map_pages(self.array)
 
     def unlink(self) -> None:
         """Remove the name (the memory stays mapped wherever it is); idempotent."""
@@ -83,6 +84,15 @@ class Segment:
             with contextlib.suppress(BufferError):  # views alive: unmapped when they go
                 self._mmap.close()
             self._mmap = None
+
+
+def _map_pages(a: np.ndarray) -> None:
+    """Map every page of the segment into this process now, a read of one byte each: the first
+    write of a batch into pages not yet mapped here ran at 2.0-2.3 GB/s against 11 warm (81 MB,
+    the 2-core VM), a cost that fell on a session's first call; the reads cost 9 ms for 144 MB
+    there (the pages themselves are the creator's `posix_fallocate`)."""
+    if a.size:
+        a[:: mmap.PAGESIZE].max()
 
 
 def _check_private(name: str, st: os.stat_result, size: int) -> None:
