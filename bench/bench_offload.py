@@ -93,7 +93,7 @@ def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) ->
         session.run(images[: max(64, len(images) // 4)])  # warm: kernels, caches, the agent
         items = rounds * len(images)
         wall, host, agent, stats = timed(session, images, rounds, stream=False)
-        s_wall, s_host, s_agent, _ = timed(session, images, rounds, stream=True)
+        s_wall, s_host, s_agent, s_stats = timed(session, images, rounds, stream=True)
         pred = plan.predicted
         return {
             "placement": dict(plan.placement),
@@ -111,6 +111,14 @@ def measure(pipeline, plan: Plan, topology, images: list[bytes], rounds: int) ->
             "failover": stats.failover,
             "assisted_share": round(stats.assisted / stats.items, 3) if stats.items else 0.0,
             "planned_host_share": (plan.physical.get(plan.stages[0].name) or {}).get("host_share"),
+            # each stage's kernels, measured in the last streamed call against the plan's price
+            "stages": {
+                name: {
+                    k: st.get(k)
+                    for k in ("device", "ms_per_item", "predicted_ms_per_item", "error_pct")
+                }
+                for name, st in s_stats.stages.items()
+            },
         }
 
 
@@ -206,6 +214,14 @@ def main() -> int:
             f"{pct(r['stream_items_per_s_error']):>17} "
             f"{pct(r['stream_host_cpu_ms_per_item_error']):>8} {r['assisted_share']:8.2f}"
         )
+    print("each stage's kernels in the last streamed call (ms/item; predicted, err):")
+    for name, r in doc["placements"].items():
+        parts = [
+            f"{st}@{v['device']} {v['ms_per_item']:.3f} ({v['predicted_ms_per_item'] or 0:.3f}, "
+            f"{'-' if v['error_pct'] is None else format(v['error_pct'] / 100, '+.0%')})"
+            for st, v in r["stages"].items()
+        ]
+        print(f"{name:{w}} " + "; ".join(parts))
     return 0
 
 
