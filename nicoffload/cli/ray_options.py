@@ -1,4 +1,4 @@
-"""`plan|run --ray ADDRESS`: plan for a server of a Ray cluster (its topology from the nodes'
+"""`plan|run|serve --ray ADDRESS`: plan for a server of a Ray cluster (its topology from the nodes'
 labels, see nicoffload.ray.topology) and run with its DPU agents started as Ray actors on their
 nodes; the items and tensors go over our own transports. Needs the `ray` extra."""
 
@@ -16,7 +16,7 @@ from nicoffload.errors import UserError
 RAY_HELP = (
     "plan for a server of this Ray cluster (auto, HOST:PORT or ray://HOST:PORT): its devices "
     "from the nodes' labels nicoffload.io/role (host, dpu, gpu, cpu-pool), nicoffload.io/server "
-    "and nicoffload.io/dpu-gen; `run` starts the plan's agents there as Ray actors"
+    "and nicoffload.io/dpu-gen; `run` and `serve` start the plan's agents there as Ray actors"
 )
 NETWORK_HELP = (
     "with --ray: a network file (links by role: `between: [dpu, host]`, transport, bandwidth, "

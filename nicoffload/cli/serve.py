@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from nicoffload.cli import app, handle_errors
+from nicoffload.cli import app, handle_errors, ray_options
 from nicoffload.cli.run import check_token_file
 from nicoffload.errors import Mark, SystemFailure, UserError
 from nicoffload.graph import Pipeline, load_pipeline
@@ -357,6 +357,9 @@ def serve(
         min=50,
         help="the interpreter's thread switch interval (Python's default is 5000)",
     ),
+    ray: str | None = typer.Option(None, "--ray", help=ray_options.RAY_HELP),
+    ray_network: Path | None = typer.Option(None, "--ray-network", help=ray_options.NETWORK_HELP),
+    ray_server: str | None = typer.Option(None, "--ray-server", help=ray_options.SERVER_HELP),
 ) -> None:
     """Serve a pipeline over the Open Inference Protocol (KServe v2 REST with Triton's binary tensors), so Triton and KServe clients work: `POST /v2/models/NAME/infer` with one BYTES input per pipeline input, one element per item (a JPEG, a text).
 
@@ -369,6 +372,8 @@ def serve(
     With `--fronts N`, N front processes accept on the same port(s), parse and check the requests and encode the responses; the Session stays in this process, fed through shared memory (`--front-slots` per front). Every behaviour above holds across them (one queue, one drain); a front that dies is restarted, its in-flight requests counted as lost.
 
     Deadlines: Triton's `timeout` request parameter or the `Nicoffload-Timeout-Us` header (microseconds); an item whose deadline passed before it enters the pipeline is not run (HTTP 504).
+
+    With `--ray ADDRESS` the pipeline is planned for a server of that Ray cluster (as `plan --ray`) and its DPU stages' agents are started there as Ray actors (or attached to, with `--agent-token-file`) for as long as serve runs; an agent that dies fails its stage over to this host.
     """
     # our own log at INFO; other libraries' (torch, aiohttp) at WARNING
     logging.basicConfig(
@@ -387,13 +392,16 @@ def serve(
         grpc_module()  # a missing extra is said before the Session opens
     token = read_token(token_file) if token_file is not None else None
     check_token_file(agent_token_file)
+    ray_options.check(ray, {"--topology": topology, "--ray-network": ray_network,
+                            "--ray-server": ray_server})  # fmt: skip
     pl = load_pipeline(pipeline)
     check_servable(pl)
     if max_batch is not None and max_batch < pl.batch_max_size:
         pl = dataclasses.replace(pl, batch_max_size=max_batch)
     fn = load_model(model) if model else None
     outputs = model_outputs(fn, pl) if fn is not None else None
-    prep = prepare(pl, plan, topology, agent_token_file)
+    found = None if ray is None else ray_options.discovered(ray, ray_network, ray_server)
+    prep = prepare(pl, plan, found.topology if found else topology, agent_token_file)
     config = ServeConfig(
         model_name or pl.name, token, int(max_request_mb * (1 << 20)), read_timeout
     )
@@ -401,7 +409,10 @@ def serve(
     # the GIL to one another per request: at the default 5 ms switch interval, a thread
     # woken by another can wait that long for it while one that computes holds it
     sys.setswitchinterval(switch_us / 1e6)
-    with Session(prep, workers=workers) as session:
+    with (
+        ray_options.agents_for(ray, found, prep, agent_token_file) as prep,
+        Session(prep, workers=workers) as session,
+    ):
         if hasattr(session.executor, "close_when_idle"):  # the general executor has no such
             session.executor.close_when_idle = not wait_batches
         batcher = Batcher(session, fn, max_queue)

@@ -258,3 +258,30 @@ def test_run_with_ray_starts_the_plans_agents_on_the_cluster_and_reports_json(cl
     assert set(doc["placement"].values()) <= set(discover().topology.ids)
     for dev in {d for d in doc["placement"].values() if d.startswith("dpu")}:
         assert f"{dev}: agent at " in done.stderr  # started on its node as a Ray actor
+
+
+def test_serve_with_ray_starts_the_plans_agents_on_the_cluster_serves_and_drains(
+    cluster, images, host_pixels, tmp_path
+):
+    import tritonclient.http as httpclient
+    from serve_process import MODEL, Served
+
+    found = discover()
+    plan = plan_across(found)  # decode on the server's DPU, resize and crop on the pool node
+    plan.save(tmp_path / "plan.json")
+    s = Served(["--plan", str(tmp_path / "plan.json"), "--ray", cluster.address], tmp_path / "log")
+    try:
+        placement = s.doc["placement"]
+        assert placement == dict(plan.placement)
+        dpus = {d for d in placement.values() if d.startswith("dpu")}
+        assert len(dpus) == 2
+        log = (tmp_path / "log").read_text()
+        for dev in dpus:
+            assert f"{dev}: agent at " in log  # started on its node as a Ray actor
+        image = httpclient.InferInput("image", [len(images)], "BYTES")
+        image.set_data_from_numpy(np.array(images, dtype=object))
+        res = s.client.infer(MODEL, [image])
+        assert res.as_numpy("pixels").tobytes() == np.stack(host_pixels).tobytes()
+    finally:
+        assert s.stop() == 0
+    assert "failover" not in (tmp_path / "log").read_text()
