@@ -20,7 +20,7 @@ from nicoffload.samples import sample_images
 from nicoffload.topology import local_topology
 
 PIPELINE = load_pipeline("pipelines/resnet50.yaml")
-TRIALS = 20
+TRIALS = 10
 
 
 def split_plan(transport: str) -> Plan:
@@ -62,13 +62,18 @@ def check(result, host_outputs, what: str) -> None:
 @pytest.fixture(scope="module")
 def run_s(images) -> float:
     """How long an undisturbed split run takes here, its agent's start included: the random
-    moments fall inside it, however fast this machine is today."""
-    t0 = time.perf_counter()
-    result = nicoffload.run(
-        PIPELINE, images, plan=split_plan("tcp"), topology=local_topology(), workers=1
-    )
-    assert result.ok.all() and result.stats.failover is None
-    return time.perf_counter() - t0
+    moments fall inside it, however fast this machine is today. The second of two runs: the
+    first also pays this process's one-time costs, which the trials' runs do not, and would
+    put the last slices of moments after their streams have ended."""
+    took = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        result = nicoffload.run(
+            PIPELINE, images, plan=split_plan("tcp"), topology=local_topology(), workers=1
+        )
+        took.append(time.perf_counter() - t0)
+        assert result.ok.all() and result.stats.failover is None
+    return took[-1]
 
 
 def test_killing_the_agent_at_random_moments_loses_changes_and_doubles_nothing(
@@ -76,8 +81,10 @@ def test_killing_the_agent_at_random_moments_loses_changes_and_doubles_nothing(
 ):
     rng = random.Random(2026)
     # the first moments fall before the agent listens and while it loads its stage, the rest
-    # anywhere in the first 90% of a run
-    moments = [0.0, 0.05, 0.3] + [rng.uniform(0.0, 0.9 * run_s) for _ in range(TRIALS - 3)]
+    # anywhere in the first 90% of a run: one in each of TRIALS - 3 equal slices of it (so
+    # that its start, load and stream are each hit, over both transports, by few trials)
+    n = TRIALS - 3
+    moments = [0.0, 0.05, 0.3] + [rng.uniform(k, k + 1) * 0.9 * run_s / n for k in range(n)]
     failed_over = []
     for i, delay in enumerate(moments):
         transport = "shm" if i % 2 else "tcp"
