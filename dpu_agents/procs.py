@@ -341,6 +341,12 @@ def run_rows(session: Any, job: Any) -> None:
         except WorkerGone as exc:  # shared memory has no room for the input arena
             rows = []
             failed.update((row, (SLOT_OVERFLOW, str(exc))) for row, _ in done)
+        except Exception as exc:  # a bug here fails these rows; the job's other rows go on
+            detail = f"{type(exc).__name__}: {exc}"
+            failed.update((row, ("internal", detail)) for row, _ in done if row not in failed)
+            log_event(log, logging.ERROR, "item_failed", stage=session.name, error=detail)
+            if done is rows:  # _fitting raised: the whole chunk is done; else the rest goes on
+                rows = []
         finally:
             for _, values in done:
                 values.clear()
@@ -367,8 +373,15 @@ def _nbytes(v: Any) -> int:
     if isinstance(v, np.ndarray):
         return v.nbytes
     if isinstance(v, str):
-        return len(v.encode("utf-8"))
+        return len(_utf8(v))
     return memoryview(v).nbytes
+
+
+def _utf8(text: str) -> bytes:
+    """A text value's bytes for the worker: a lone surrogate (which the client sends, so that
+    the stage fails that item as the host does: `bad_text`) goes through as itself, where plain
+    utf-8 raised and the rows of its chunk were never finished (the host waited for ever)."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _run_chunk(session: Any, proc: Proc, slot: Any, rows: list[Any], failed: dict) -> None:
@@ -403,7 +416,7 @@ def _chunk(
                 raw = a.reshape(-1).view(np.uint8)
                 where.append([k, TENSOR, at, raw.size, a.dtype.str, list(a.shape)])
             elif isinstance(v, str):
-                raw = np.frombuffer(v.encode("utf-8"), np.uint8)
+                raw = np.frombuffer(_utf8(v), np.uint8)
                 where.append([k, TEXT, at, raw.size, "|u1", [raw.size]])
             else:
                 raw = np.frombuffer(v, np.uint8)

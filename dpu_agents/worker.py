@@ -189,7 +189,7 @@ def _values(buf: np.ndarray, where: list[Any]) -> dict[str, Any]:
         if kind == BYTES:
             values[k] = memoryview(part)
         elif kind == TEXT:
-            values[k] = part.tobytes().decode("utf-8")
+            values[k] = part.tobytes().decode("utf-8", "surrogatepass")  # as it was sent
         else:
             values[k] = part.view(dtype).reshape(shape)
     return values
