@@ -30,8 +30,9 @@ def latency_bound(problem: FlowProblem, t_cap: float, h_cap: float, time_limit: 
     least-latency problem (solved without presolve, so its bound holds); -inf when the LP did not
     finish, inf when it is infeasible. `problem` must be built without a latency bound (its
     graphs are the chains' own)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix, csr_matrix, hstack, vstack
+
+    from nicoffload.planner import highs
 
     if problem.empty:
         return np.inf
@@ -65,12 +66,8 @@ def latency_bound(problem: FlowProblem, t_cap: float, h_cap: float, time_limit: 
     # resolutions), and the bound then rests on no presolve at all
     options = {"time_limit": max(time_limit, 0.005), "presolve": False}
     with highs_quiet():
-        res = milp(
-            c,
-            constraints=[LinearConstraint(A, lo, hi)],
-            integrality=np.zeros(nv + extra),
-            bounds=Bounds(np.r_[lb, 0.0], np.r_[ub, np.inf]),
-            options=options,
+        res = highs.Program(A, lo, hi).run(
+            c, np.r_[lb, 0.0], np.r_[ub, np.inf], np.zeros(nv + extra), options
         )
     if res.status == 2:
         return np.inf
