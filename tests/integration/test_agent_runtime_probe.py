@@ -17,7 +17,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_agent_runtime_is_measured_through_a_real_agent():
+def test_the_agent_runtime_is_measured_through_a_real_agent(monkeypatch):
+    from nicoffload import profiling
+
+    probes = []  # what the real agent measured, for the pricing below
+    real = profiling._probe
+
+    def recording(*args, **kwargs):
+        probes.append(real(*args, **kwargs))
+        return probes[-1]
+
+    monkeypatch.setattr(profiling, "_probe", recording)
     free = LinkCost(0.0, 1e12, 0.0, 0.0)  # transfers priced at nothing: all the agent's CPU
     before = set(agent_pids())  # other tests' agents may be alive, and busy, beside this one
     seen: set[int] = set()
@@ -40,7 +50,12 @@ def test_the_agent_runtime_is_measured_through_a_real_agent():
     assert per_batch > 0  # a batch of 4 costs more per item than one of 64
     assert seen, "the probe ran no agent of its own"
     assert not seen & set(agent_pids())  # the agent it started is gone
-    # the transfers' price comes off it: priced dear, nothing is left
+    # the transfers' price comes off it: priced dear, nothing is left (the same measurements,
+    # those of the agent above, priced again: a second agent would measure what this one did)
+    assert len(probes) == 2
+    replay = iter(probes)
+    monkeypatch.setattr(profiling, "_probe", lambda *a, **k: next(replay))
     dear = LinkCost(0.0, 1e12, 1e6, 0.0)
     got = measure_agent_runtime(dear, quick=True)
+    assert next(replay, None) is None  # both measurements were priced again
     assert got is not None and got[0] == 0.0
