@@ -39,13 +39,25 @@ def host_outputs(images):
     return result.outputs["pixels"]
 
 
-@pytest.fixture
-def agent(tmp_path):
-    token = tmp_path / "agent.token"
+def started_agent(folder):
+    token = folder / "agent.token"
     auth.write_token(token)
     with LocalAgent(token, cores=1) as a:
         a.token_file = token
         yield a
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """One agent for the module's sessions, one after another (as a DPU's agent serves them):
+    each test opens and closes its own session on it; none but the one that kills its agent
+    (`own_agent`) changes it for the next."""
+    yield from started_agent(tmp_path_factory.mktemp("agent"))
+
+
+@pytest.fixture
+def own_agent(tmp_path):
+    yield from started_agent(tmp_path)
 
 
 def open_split(agent: LocalAgent):
@@ -121,12 +133,12 @@ def test_closing_a_session_with_a_call_in_flight_ends_that_call_with_session_clo
 
 
 def test_the_agent_dying_between_calls_fails_the_next_call_over_to_the_host(
-    agent, images, host_outputs
+    own_agent, images, host_outputs
 ):
-    with open_split(agent) as session:
+    with open_split(own_agent) as session:
         first = session.run(images[:30])
         assert first.stats.failover is None
-        agent.kill()
+        own_agent.kill()
         second = session.run(images[30:80])
         assert second.ok.all()
         assert second.stats.failover is not None and "50 items" in second.stats.failover
