@@ -5,9 +5,12 @@ included, and an agent killed mid-run has its rows run on the host, counted and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from equivalence import assert_same_run, corpus, pinned
 from split_plans import plan_of
@@ -116,10 +119,26 @@ def test_two_stages_on_one_emulated_dpu_share_its_one_agent(clip, want, monkeypa
     assert_same_run(got, want, "one emulated DPU, two stages")
 
 
-def test_an_agent_killed_mid_run_has_its_rows_run_on_the_host(clip, tmp_path) -> None:
+def repeated(result, times: int) -> SimpleNamespace:
+    """What `assert_same_run` compares of the all-host run of `times` copies of `result`'s
+    items: its rows `times` over (an item's outputs are its own, whatever else its batch
+    holds)."""
+    n = len(result.names)
+    outputs = {
+        k: np.concatenate([v] * times) if isinstance(v, np.ndarray) else list(v) * times
+        for k, v in result.outputs.items()
+    }
+    failures = [
+        dataclasses.replace(f, index=f.index + k * n) for k in range(times) for f in result.failures
+    ]
+    return SimpleNamespace(names=list(result.names) * times, ok=np.tile(result.ok, times),
+                           failures=failures, outputs=outputs)  # fmt: skip
+
+
+def test_an_agent_killed_mid_run_has_its_rows_run_on_the_host(clip, want, tmp_path) -> None:
     pipeline, few = clip
     items = few * 8  # batches enough that the second agent has some in flight when it dies
-    want = nicoffload.run(pipeline, items, plan=single_device_plan(pipeline), workers=2)
+    want = repeated(want, 8)
     token = tmp_path / "agent.token"
     auth.write_token(token)
     plan = plan_of(pipeline, SHAPES["dpu -> cpu -> dpu (two DPUs)"])
