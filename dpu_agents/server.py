@@ -318,9 +318,11 @@ def _sent_a_head(sock: socket.socket) -> bool:
 
 
 def _kernel_times(sessions: Any) -> dict[str, Any]:
-    """Per stage (summed over its sessions), what its kernels cost per item on the agent's
-    workers: CPU time and wall time inside the kernel calls (`nicoffload.runtime.stage.StepTime`),
-    the figures a host compares with the planner's prediction."""
+    """Per stage (summed over its sessions, over their lifetime), what its kernels cost per item
+    on the agent's workers: CPU time and wall time inside the kernel calls
+    (`nicoffload.runtime.stage.StepTime`) and how many calls each step made, the figures a host
+    compares with the planner's prediction (a call's own: the host subtracts what it read when
+    the call began, `RemoteFront.begin_call`)."""
     totals: dict[str, dict[str, list[float]]] = {}
     for s in sessions:
         steps = totals.setdefault(s.name, {})
@@ -337,7 +339,8 @@ def _kernel_times(sessions: Any) -> dict[str, Any]:
             "wall_ms_per_item": round(sum(w for _, w, _ in per.values()), 4),
             "items": max((n for _, _, n in per.values()), default=0),
             "steps": {
-                k: {"cpu_ms": round(c, 4), "wall_ms": round(w, 4)} for k, (c, w, _) in per.items()
+                k: {"cpu_ms": round(c, 4), "wall_ms": round(w, 4), "calls": n}
+                for k, (c, w, n) in per.items()
             },
         }
     return out

@@ -16,6 +16,7 @@ def _stage_doc(
     measured: float,
     steps: dict[str, float] | None,
     wall: float | None = None,
+    items: int | None = None,
 ) -> dict[str, Any]:
     """A stage of `run --json`. On CPU and DPU devices `ms_per_item` is the CPU time its kernels
     took per item in the worker that ran them (core-ms, the unit the planner predicts in) and
@@ -32,6 +33,8 @@ def _stage_doc(
     }
     if wall is not None:
         doc["wall_ms_per_item"] = round(wall, 4)
+    if items is not None:  # the call's items its first step ran (taken back ones on the host)
+        doc["items"] = items
     if steps is not None:
         doc["steps"] = {k: round(v, 4) for k, v in steps.items()}
     return doc
@@ -48,6 +51,7 @@ def finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> No
             float(remote.get("cpu_ms_per_item", 0.0)),
             steps or None,
             float(remote.get("wall_ms_per_item", 0.0)),
+            remote.get("items"),
         )
         t = front.transfer
         for tr in ex.plan.transfers:
@@ -79,7 +83,10 @@ def finish_stats(stats: RunStats, ex: Executor, front: RemoteFront | None) -> No
     for plan, times in ex.step_times():
         cpu = {k: t.cpu_ms for k, t in times.items()}
         wall = sum(t.wall_ms for t in times.values())
-        stats.stages[plan.name] = _stage_doc(plan, sum(cpu.values()), cpu, wall)
+        first = next(iter(times.values()), None)
+        stats.stages[plan.name] = _stage_doc(
+            plan, sum(cpu.values()), cpu, wall, first.calls if first else None
+        )
     if ex.gpu is not None:
         mine = ex.gpu.step_ms_per_item()
         stats.stages[ex.gpu.plan.name] = _stage_doc(ex.gpu.plan, float(sum(mine.values())), mine)

@@ -69,6 +69,9 @@ class FakeGpuStage:
             start += len(rows)
             yield FakeGpuBatch(len(rows), {"norm": out}, bad)
 
+    def begin_call(self) -> None:
+        pass
+
     def step_ms_per_item(self) -> dict[str, float]:
         return {"norm": 0.001}
 

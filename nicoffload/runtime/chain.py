@@ -153,7 +153,7 @@ class Chain:
         return sum(p.taken_back for p in self.dpu_parts)
 
     def begin_call(self) -> None:
-        for p in self.dpu_parts:
+        for p in self.parts:
             p.begin_call()
 
     def __enter__(self) -> Chain:

@@ -70,6 +70,7 @@ class DpuPart:
     def begin_call(self) -> None:
         self.failed_over, self._failover, self.taken_back = None, None, 0
         self.front.begin_call()
+        self.fallback.begin_call()
 
     def run(self, works: Iterator[Work], ctl: Control) -> Iterator[Work]:
         """Submit batches as they come (at most `depth` at the agent) on a thread of its own,

@@ -172,8 +172,12 @@ class Executor:
         return self.assist.taken if self.assist is not None else 0
 
     def begin_call(self) -> None:
-        """A new call of a session: its failover and transfer figures start afresh."""
+        """A new call of a session: its failover, stage and transfer figures start afresh."""
         self.failed_over, self._failover, self.taken_back = None, None, 0
+        for stage in {*self.host, *self.fallback}:  # their figures are the call's own
+            stage.begin_call()
+        if self.gpu is not None:
+            self.gpu.begin_call()
         if self.front is not None:
             self.front.begin_call()
 

@@ -172,6 +172,9 @@ class GpuFeed:
         out = {name: gb.outputs[ref] for name, ref in refs.items() if ref in gb.outputs}
         return zero_failed(out, ok)
 
+    def begin_call(self) -> None:
+        self.stage.begin_call()
+
     def step_ms_per_item(self) -> dict[str, float]:
         return self.stage.step_ms_per_item()
 

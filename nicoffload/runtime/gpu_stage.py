@@ -174,6 +174,7 @@ class GpuStage:
         self._spare: list[_Streams] = []
         self.step_ms = np.zeros(len(self.steps))
         self.items = 0
+        self._mark: tuple[np.ndarray, int] = (np.zeros(len(self.steps)), 0)  # at begin_call
 
     def __enter__(self) -> GpuStage:
         return self
@@ -414,8 +415,16 @@ class GpuStage:
                 t.join()
             self._give_back(lent)
 
-    def step_ms_per_item(self) -> dict[str, float]:
-        """Measured time per item of each step: device time (events), decode by host clock."""
+    def begin_call(self) -> None:
+        """A session's new call: `step_ms_per_item` counts from here."""
         with self._lock:
-            n = max(self.items, 1)
-            return {s.name: float(ms) / n for s, ms in zip(self.steps, self.step_ms, strict=True)}
+            self._mark = (self.step_ms.copy(), self.items)
+
+    def step_ms_per_item(self) -> dict[str, float]:
+        """Measured time per item of each step in the current call (since `begin_call`): device
+        time (events), decode by host clock."""
+        with self._lock:
+            ms0, n0 = self._mark
+            n = max(self.items - n0, 1)
+            spent = self.step_ms - ms0
+            return {s.name: float(ms) / n for s, ms in zip(self.steps, spent, strict=True)}

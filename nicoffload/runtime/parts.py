@@ -49,6 +49,9 @@ class HostPart:
         self.pool = pool
         self.chunks = 2 * max(1, workers)  # chunks per batch: the pool stays busy to its end
 
+    def begin_call(self) -> None:
+        self.stage.begin_call()
+
     def run(self, works: Iterator[Work], ctl: Control) -> Iterator[Work]:
         for w in works:
             for f, _ in self.submit(w, w.live()):
@@ -98,6 +101,9 @@ class GpuPart:
 
     def close(self) -> None:
         self.stage.close()
+
+    def begin_call(self) -> None:
+        self.stage.begin_call()
 
     def step_ms_per_item(self) -> dict[str, float]:
         return self.stage.step_ms_per_item()

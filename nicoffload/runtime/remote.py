@@ -87,6 +87,7 @@ class RemoteFront:
         self.dead: str | None = None
         self.refusing: str | None = None  # why the agent takes no new items (it drains)
         self.transfer = TransferStats()
+        self._kernels_before: dict[str, Any] = {}  # the agent's kernel figures as a call began
 
     @classmethod
     def gone(cls, stage: StagePlan, why: str) -> RemoteFront:
@@ -120,8 +121,10 @@ class RemoteFront:
         return self.refusing or why
 
     def begin_call(self) -> None:
-        """A new call of a session: its transfers are counted afresh (request ids go on)."""
+        """A new call of a session: its transfers are counted afresh (request ids go on), and
+        its kernels' figures from what the agent has counted so far."""
         self.transfer = TransferStats()
+        self._kernels_before = self._agent_kernels()
 
     def submit(self, task: Any) -> None:
         """`submit_batch` of one task."""
@@ -247,14 +250,44 @@ class RemoteFront:
         return {k: tensors[k][row] if k in tensors else tensors[f"{k}@{row}"] for k in self.keys}
 
     def remote_stats(self) -> dict[str, Any]:
-        """The agent's own measurement of the stage's kernels (`cpu_ms_per_item`,
-        `wall_ms_per_item`, `steps`: see dpu_agents.server), or {} once it is gone."""
+        """The agent's own measurement of the stage's kernels in this call (since
+        `begin_call`): `cpu_ms_per_item`, `wall_ms_per_item`, `steps` (see
+        dpu_agents.server), or {} once it is gone."""
+        now = self._agent_kernels()
+        return since(now, self._kernels_before) if now else {}
+
+    def _agent_kernels(self) -> dict[str, Any]:
+        """What the agent has counted of the stage's kernels over its session, or {}."""
         if not self.alive:
             return {}
         try:
             return self.client.stats().get("kernels", {}).get(self.stage.name, {})
         except AgentError:
             return {}
+
+
+def since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The agent's kernel figures of the calls after `before` (both its cumulative means per
+    step, with each step's `calls`): the means of those calls alone. An agent that does not
+    count calls per step (older) gives its lifetime means, as it did."""
+    steps, was = now.get("steps", {}), before.get("steps", {})
+    if not steps or any("calls" not in v for v in steps.values()):
+        return now
+    out: dict[str, dict[str, float]] = {}
+    for k, v in steps.items():
+        b = was.get(k, {})
+        n0 = b.get("calls", 0) if b.get("calls", 0) <= v["calls"] else 0  # a new session: all
+        n = v["calls"] - n0
+        out[k] = {
+            what: (v[what] * v["calls"] - b.get(what, 0.0) * n0) / n if n else 0.0
+            for what in ("cpu_ms", "wall_ms")
+        } | {"calls": n}
+    return {
+        "cpu_ms_per_item": sum(v["cpu_ms"] for v in out.values()),
+        "wall_ms_per_item": sum(v["wall_ms"] for v in out.values()),
+        "items": max((v["calls"] for v in out.values()), default=0),
+        "steps": out,
+    }
 
 
 def _nothing(n: int = 1) -> None:

@@ -122,7 +122,8 @@ class StepTally:
 
 class Stage:
     """A StagePlan made runnable: `process(values, dests)` runs one item through it, and
-    `times()` says what its steps have cost per item so far (summed over every worker)."""
+    `times()` says what its steps have cost per item in the current call (summed over every
+    worker; `begin_call` starts a call)."""
 
     def __init__(self, pipeline: Pipeline, plan: StagePlan, keep: set[str]) -> None:
         self.plan = plan
@@ -130,14 +131,26 @@ class Stage:
         self.steps = bind_steps(pipeline, nodes, plan.kind, keep)
         self._lock = threading.Lock()
         self._total = StepTally(len(self.steps))
+        self._mark = StepTally(len(self.steps))  # the totals when the current call began
+
+    def begin_call(self) -> None:
+        """A session's new call: `times()` counts from here (a call's own figures, not the
+        mean of every call the session has made)."""
+        t, m = self._total, self._mark
+        with self._lock:
+            m.cpu_ns, m.wall_ns, m.calls = list(t.cpu_ns), list(t.wall_ns), list(t.calls)
 
     def times(self) -> dict[str, StepTime]:
-        """Per step, the mean cost of the calls made so far (zeros before the first)."""
-        t = self._total
+        """Per step, the mean cost of the calls made since `begin_call` (or since the stage was
+        made; zeros before the first)."""
+        t, m = self._total, self._mark
         with self._lock:
+            rows = zip(
+                self.steps, t.cpu_ns, t.wall_ns, t.calls, m.cpu_ns, m.wall_ns, m.calls, strict=True
+            )
             return {
-                st.name: StepTime(cpu / 1e6 / n, wall / 1e6 / n, n) if n else StepTime(0.0, 0.0, 0)
-                for st, cpu, wall, n in zip(self.steps, t.cpu_ns, t.wall_ns, t.calls, strict=True)
+                st.name: _mean(cpu - cpu0, wall - wall0, n - n0)
+                for st, cpu, wall, n, cpu0, wall0, n0 in rows
             }
 
     def tally(self) -> StepTally:
@@ -206,6 +219,10 @@ class Stage:
             if own:
                 self.add(t)
         return written
+
+
+def _mean(cpu_ns: int, wall_ns: int, n: int) -> StepTime:
+    return StepTime(cpu_ns / 1e6 / n, wall_ns / 1e6 / n, n) if n else StepTime(0.0, 0.0, 0)
 
 
 def split_stages(plan: Plan) -> tuple[StagePlan | None, list[StagePlan], StagePlan | None]:

@@ -78,6 +78,9 @@ def test_a_session_serves_many_calls_on_one_agent_connection_and_one_load(
             assert result.names == [str(i) for i in range(hi - lo)]  # numbered per call
             np.testing.assert_array_equal(result.outputs["pixels"], host_outputs[lo:hi])
             assert session.front.transfer.items == hi - lo  # this call's transfers only
+            # and this call's kernels: the agent's and the host's stage, not the session's mean
+            stages = result.stats.stages
+            assert stages["s0-dpu0"]["items"] == stages["s1-cpu"]["items"] == hi - lo
             assert 1 <= result.stats.transfers["s0-dpu0->s1-cpu"]["batches"] <= hi - lo
             assert result.stats.setup_s == session.setup_s  # reported, never per item
         assert session.front.client is client and client.alive

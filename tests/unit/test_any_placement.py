@@ -82,6 +82,9 @@ class CpuBatchStage:
             self.batches += 1
             yield _Done(n, out, failures, produced)
 
+    def begin_call(self) -> None:
+        pass
+
     def step_ms_per_item(self) -> dict[str, float]:
         return {"all": 0.0}
 

@@ -69,6 +69,9 @@ class CpuAsGpuStage:
             start += n
             yield FakeBatch(n, {"norm": out}, failures, produced)
 
+    def begin_call(self) -> None:
+        pass
+
     def step_ms_per_item(self) -> dict[str, float]:
         return {s.name: 0.0 for s in self.steps}
 
