@@ -137,14 +137,15 @@ def test_a_repeated_request_id_is_delivered_once(agent, rx) -> None:
 def test_a_request_with_wrong_inputs_fails_as_an_item(agent, rx) -> None:
     with AgentClient(agent.address, TOKEN, timeout=WAIT_S) as client:
         load(client, BERT, rx.address)
-        client.submit(1, {"image": b"bytes"})
+        client.submit(1, {"image": b"bytes"})  # an input the stage does not read
+        # bytes for a text are read as UTF-8, as the host's tokenizer reads them (5e9445b)
         client.submit(2, {"text": b"bytes, not text"})
         client.submit(3, {"text": "fine"})
         failed = {}
         for d in collect(rx, 3):
             failed.update(d.meta["failed"])
             rx.release(d)
-        assert sorted(failed) == [1, 2] and {f[0] for f in failed.values()} == {"bad_request"}
+        assert sorted(failed) == [1] and {f[0] for f in failed.values()} == {"bad_request"}
         assert client.alive
 
 
