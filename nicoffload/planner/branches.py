@@ -14,6 +14,7 @@ that is exact too (two budgets that admit the same completions are the same stat
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -310,15 +311,22 @@ def bucketed(ch: Chains, suff: list[np.ndarray] | None, bound: float) -> Buckete
     for a, t in enumerate(ch.tail):
         out_arcs[int(t)].append(a)
     arcs, tails, heads = [], [], []
+    # as Python floats, searched with bisect: the same comparisons as np.searchsorted's, without
+    # its cost per call (this loop runs once per expanded arc)
+    head, time = ch.head.tolist(), ch.time.tolist()
+    lists: dict[int, list[float]] = {}
     for s in sorted(out_arcs):  # every arc goes to a later state
         for b in budgets.get(s, ()):
             src = ids[(s, b)]
             for a in out_arcs[s]:
-                h = int(ch.head[a])
-                j = np.searchsorted(suff[h], b - ch.time[a] + eps, side="right") - 1
+                h = head[a]
+                sh = lists.get(h)
+                if sh is None:
+                    sh = lists[h] = suff[h].tolist()
+                j = bisect_right(sh, b - time[a] + eps) - 1
                 if j < 0:
                     continue
-                key = (h, float(suff[h][j]))
+                key = (h, sh[j])
                 if key not in ids:
                     ids[key] = len(ids)
                     budgets[h].append(key[1])

@@ -120,7 +120,7 @@ def evaluate(model: CostModel, placements: np.ndarray) -> Metrics:
         if r.output:
             dest[:, model.egress] = True
         dest[rows, src] = False
-        work += np.einsum("md,mdr->mr", dest, model.ref_load(r)[src])
+        work += _sent(model.ref_load(r), src, dest)
     for v in range(n):
         for r in model.refs:
             if v in r.consumers:
@@ -199,6 +199,20 @@ def figures(model: CostModel, m: Metrics, row: int = 0) -> dict[str, float]:
         "throughput_per_s": round(1e3 / bottleneck, 3) if bottleneck > 0 else 1e12,
         "host_cpu_ms_per_item": round(float(m.host[row] + base[:D][model.host].sum()), 6),
     }
+
+
+def _sent(load: np.ndarray, src: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    """(M, R) what each row's tensor puts on the resources, sent from src to its dest devices:
+    einsum("md,mdr->mr", dest, load[src]). Where no row sends to more than two devices, summed
+    over those alone: the same figures to the bit (the other terms are zeros, and two terms
+    add alike in either order) at a fraction of the cost (the (M, D, R) array einsum reads was
+    0.09 of 0.14 s evaluating the 845 neighbours of the 50-node bench's plan)."""
+    if dest.sum(axis=1).max(initial=0) > 2 or not np.isfinite(load).all():
+        return np.einsum("md,mdr->mr", dest, load[src])
+    m, d = np.nonzero(dest)  # row by row, devices ascending
+    out = np.zeros((len(dest), load.shape[2]))
+    np.add.at(out, m, load[src[m], d])
+    return out
 
 
 def _route_time(model: CostModel, nbytes: float, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
