@@ -20,8 +20,11 @@ PIPELINE = load_pipeline("pipelines/resnet50.yaml")
 LIMIT = 1 << 20
 
 
-@pytest.fixture
-def agent(tmp_path):
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """One agent for both tests: each opens its own session, and the agent serves on after
+    the rows it refuses (the tests check that it does)."""
+    tmp_path = tmp_path_factory.mktemp("agent")
     token = tmp_path / "agent.token"
     auth.write_token(token)
     config = tmp_path / "agent.toml"
