@@ -280,7 +280,7 @@ class Connection(Ingress):
         if header.kind is Kind.HEARTBEAT:
             self.ch.send(frame(Kind.HEARTBEAT, request_id=call))
         elif header.kind is Kind.STATS:
-            self.ch.send(frame(Kind.STATS, self.agent.stats(), request_id=call))
+            self.ch.send(frame(Kind.STATS, self.agent.stats(self.session), request_id=call))
         elif header.kind is Kind.SHUTDOWN:
             log_event(log, logging.INFO, "shutdown_requested", peer=self.peer)
             self.ch.send(frame(Kind.ACK, {"shutdown": True}, request_id=call))

@@ -173,7 +173,11 @@ class Agent:
         self.exit_code = 1
         self.request_stop()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, mine: Any = None) -> dict[str, Any]:
+        """The STATS document; `mine` (the asking connection's session, if any) adds `own`:
+        that session's kernel figures alone, unrounded, with its `session` id (what a host's
+        call subtracts from: the `kernels` sum every session of a stage name, another host's
+        too, and are rounded)."""
         doc = self.metrics.snapshot()
         doc.update(agent=self.name, cores=self.pool.n, draining=self.draining)
         doc["pool"] = {
@@ -187,6 +191,9 @@ class Agent:
             for peer, s in sessions
         }
         doc["kernels"] = _kernel_times(s for _, s in sessions)
+        if mine is not None:
+            own = _kernel_times([mine], digits=None).get(mine.name, {})
+            doc["own"] = own | {"session": id(mine)}
         return doc
 
     def request_stop(self) -> None:
@@ -317,7 +324,7 @@ def _sent_a_head(sock: socket.socket) -> bool:
         return False
 
 
-def _kernel_times(sessions: Any) -> dict[str, Any]:
+def _kernel_times(sessions: Any, digits: int | None = 4) -> dict[str, Any]:
     """Per stage (summed over its sessions, over their lifetime), what its kernels cost per item
     on the agent's workers: CPU time and wall time inside the kernel calls
     (`nicoffload.runtime.stage.StepTime`) and how many calls each step made, the figures a host
@@ -332,15 +339,18 @@ def _kernel_times(sessions: Any) -> dict[str, Any]:
             acc[1] += t.wall_ms * t.calls
             acc[2] += t.calls
     out = {}
+
+    def r(x: float) -> float:
+        return x if digits is None else round(x, digits)
+
     for name, steps in totals.items():
         per = {k: (c / n, w / n, n) if n else (0.0, 0.0, 0) for k, (c, w, n) in steps.items()}
         out[name] = {
-            "cpu_ms_per_item": round(sum(c for c, _, _ in per.values()), 4),
-            "wall_ms_per_item": round(sum(w for _, w, _ in per.values()), 4),
+            "cpu_ms_per_item": r(sum(c for c, _, _ in per.values())),
+            "wall_ms_per_item": r(sum(w for _, w, _ in per.values())),
             "items": max((n for _, _, n in per.values()), default=0),
             "steps": {
-                k: {"cpu_ms": round(c, 4), "wall_ms": round(w, 4), "calls": n}
-                for k, (c, w, n) in per.items()
+                k: {"cpu_ms": r(c), "wall_ms": r(w), "calls": n} for k, (c, w, n) in per.items()
             },
         }
     return out

@@ -193,13 +193,14 @@ class _Collector:
         s = plan.stages[0]
         # as `run --json` reports a stage: its kernels' CPU time per item (the planner's unit),
         # their wall time beside it (the agent's own measurement, `kernels` in its stats)
-        kern = remote.get("kernels", {}).get(s.name, {})
+        # (this run's session's alone, `own`: `kernels` sum every session of the stage name)
+        kern = remote.get("own") or remote.get("kernels", {}).get(s.name, {})
         stats.stages[s.name] = {
             "device": s.device,
             "nodes": list(s.nodes),
-            "ms_per_item": kern.get("cpu_ms_per_item", 0.0),
-            "wall_ms_per_item": kern.get("wall_ms_per_item", 0.0),
-            "steps": {k: v["cpu_ms"] for k, v in kern.get("steps", {}).items()},
+            "ms_per_item": round(kern.get("cpu_ms_per_item", 0.0), 4),
+            "wall_ms_per_item": round(kern.get("wall_ms_per_item", 0.0), 4),
+            "steps": {k: round(v["cpu_ms"], 4) for k, v in kern.get("steps", {}).items()},
         }
         ok = np.array([i in self.rows for i in range(n)], bool)
         return RunResult(list(feeder.names), outputs, ok, failures, stats)

@@ -261,9 +261,12 @@ class RemoteFront:
         if not self.alive:
             return {}
         try:
-            return self.client.stats().get("kernels", {}).get(self.stage.name, {})
+            doc = self.client.stats()
         except AgentError:
             return {}
+        if "own" in doc:  # this session's alone: `kernels` sum every session of the stage name
+            return doc["own"]  # (another host's too), so a call's figures would count theirs
+        return doc.get("kernels", {}).get(self.stage.name, {})
 
 
 def since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -274,8 +277,9 @@ def since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     if not steps or any("calls" not in v for v in steps.values()):
         return now
     out: dict[str, dict[str, float]] = {}
+    other = now.get("session") != before.get("session")  # the agent's session was another
     for k, v in steps.items():
-        b = was.get(k, {})
+        b = {} if other else was.get(k, {})
         n0 = b.get("calls", 0) if b.get("calls", 0) <= v["calls"] else 0  # a new session: all
         n = v["calls"] - n0
         out[k] = {
