@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nicoffload.errors import Mark, SpecError, UserError
 from nicoffload.graph import Pipeline
 
@@ -105,18 +107,37 @@ def sample_items(pipeline: Pipeline, n: int, seed: int = 0) -> list[tuple[str, M
 def values_items(
     pipeline: Pipeline, values: Iterable[Any]
 ) -> Iterator[tuple[str, Mapping[str, Any]]]:
-    """Python values as items: a mapping per item, or bare values for one-input pipelines."""
+    """Python values as items: a mapping per item, or bare values for one-input pipelines.
+
+    An encoded file given as a 1-D uint8 numpy array (`np.fromfile`, a torch tensor's
+    `.numpy()`) is passed on as a memoryview of it: the host's decoder read the array, but it
+    went to an agent as a tensor, which the agent refuses where it reads bytes (`bad_request`),
+    so the item's fate depended on where decode was placed."""
     names = list(pipeline.inputs)
+    encoded = [n for n, kind in _kinds(pipeline).items() if kind == "bytes"]
     for i, v in enumerate(values):
         if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], Mapping):
-            yield v
+            yield v[0], _as_bytes(v[1], encoded)
         elif isinstance(v, Mapping):
-            yield str(i), v
+            yield str(i), _as_bytes(v, encoded)
         elif len(names) == 1:
             if isinstance(v, Path):
                 v = _read(v, _kinds(pipeline)[names[0]])
-            yield str(i), {names[0]: v}
+            yield str(i), _as_bytes({names[0]: v}, encoded)
         else:
             raise TypeError(
                 f"item {i}: give a mapping of {names} for a pipeline with several inputs"
             )
+
+
+def _as_bytes(values: Mapping[str, Any], encoded: list[str]) -> Mapping[str, Any]:
+    """`values`, with each 1-D uint8 array among its `encoded` (bytes) inputs as a memoryview."""
+    arrays = [n for n in encoded if isinstance(values.get(n), np.ndarray)]
+    if not arrays:
+        return values
+    out = dict(values)
+    for n in arrays:
+        a = out[n]
+        if a.dtype == np.uint8 and a.ndim == 1:
+            out[n] = memoryview(np.ascontiguousarray(a))
+    return out
