@@ -263,6 +263,8 @@ def decode_image_cpu(nodes, consumers):
         alloc = None
         if out is not None and not isinstance(out, np.ndarray):
             alloc, out = out, None  # an output of varying shape: decoded where alloc says
+        if isinstance(data, str):  # as an agent fails it (the host's run failed, TypeError)
+            raise ItemError("bad_request", "input must be bytes (an encoded image), got text")
         if len(data) == 0:
             raise ItemError("empty", "0 bytes")
         fmt = sniff(bytes(data[:16]))

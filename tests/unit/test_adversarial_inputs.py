@@ -31,3 +31,15 @@ def test_other_values_pass_unchanged() -> None:
     assert items[0][1]["image"] is odd
     item = {"image": b"x", "text": "b"}
     assert next(iter(values_items(CLIP, [item])))[1] is item  # nothing copied when none is
+
+
+def test_a_text_where_an_image_is_read_fails_its_item_as_on_an_agent() -> None:
+    import pytest
+
+    from nicoffload.errors import ItemError
+    from nicoffload.ops.decode import decode_image_cpu
+
+    decode = decode_image_cpu([RESNET.node("decode")], ())
+    with pytest.raises(ItemError) as err:  # a TypeError before, which failed the whole run
+        decode("not an image")
+    assert err.value.reason == "bad_request"  # the agent's reason for a text where it reads bytes
