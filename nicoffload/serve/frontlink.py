@@ -12,6 +12,7 @@ import functools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ class FrontLink:
         self.dead = False
         self.drained = False
         self.settled = threading.Event()  # drained, or gone
+        self.on_drained: Callable[[], None] = lambda: None  # on the reader's thread
         # guards `in_flight`, `unsent`, `dead`, the counts and the socket's writes; held while
         # an answer's outputs go into their slot, so that none lands once the front is gone
         # (its slots go to the front started in its place)
@@ -67,6 +69,7 @@ class FrontLink:
             elif msg[0] == "drained":
                 self.drained = True
                 self.settled.set()
+                self.on_drained()
         with self.lock:
             self.dead = True
             lost = len(self.in_flight)

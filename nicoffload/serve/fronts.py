@@ -91,6 +91,7 @@ class Fronts:
         self.lost_in_flight = 0  # requests a dead front had forwarded: their answers dropped
         self.links: list[FrontLink] = []  # every front's, the dead ones' too: their counts
         self._count = threading.Lock()
+        self._closing = threading.Lock()  # `closing` set, or read before an early `exit`
         batcher.after_answers.append(self.flush)
         self.on_exit: Callable[[int], None] = lambda i: None  # set by serve: restart or stop
         size = slots * slot_bytes
@@ -184,6 +185,7 @@ class Fronts:
         req, resp = self.segments[i]
         link = FrontLink(self.batcher, mine, req, resp, self.slot_bytes)
         front = Front(i, proc, link, hello[1], hello[2])
+        link.on_drained = lambda: self._drained(front)
         self.links.append(front.link)
         self.fronts[i] = front
         threading.Thread(
@@ -208,6 +210,14 @@ class Fronts:
         if not self.closing:
             self.on_exit(f.index)
 
+    def _drained(self, f: Front) -> None:
+        """Front f drained: in serve's drain it waits for `exit` until every front has; one
+        that drained on its own (SIGTERM sent to it alone) exits now, and is restarted, rather
+        than answer 503 to its share of the shared socket's connections for ever."""
+        with self._closing:
+            if not self.closing:
+                f.link.send(("exit",))
+
     def flush(self) -> None:
         """Each front's gathered answers in one frame (the batcher's `after_answers`)."""
         for f in self.fronts:
@@ -231,7 +241,8 @@ class Fronts:
 
     def drain(self, timeout_s: float) -> None:
         """Every front drains (answers what it has, refuses the rest) and exits; blocks."""
-        self.closing = True
+        with self._closing:
+            self.closing = True
         live = [f for f in self.fronts if f is not None and not f.link.dead]
         for f in live:
             f.link.send(("drain",))

@@ -235,7 +235,8 @@ def test_sigterm_drains_every_front_and_exits_0(gated, tmp_path, images):
         held = pool.submit(s.client.infer, MODEL, [image_input(images[:3])], "", None, "held")
         wait_for(tmp_path / "entered")
         s.proc.send_signal(signal.SIGTERM)
-        # a fresh connection each time: a front with nothing in flight has drained and gone
+        # a fresh connection each time: a front with nothing in flight has drained (it answers
+        # 503 until every front has, then all exit)
         wait_until(
             lambda: not httpclient.InferenceServerClient(s.hostport).is_server_ready(),
             "readiness to go false",
