@@ -10,6 +10,7 @@ corrupt, unsupported_format, too_large (from the header, before any pixel is dec
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -236,7 +237,10 @@ def _decode_png(data, color: str, max_pixels: int) -> np.ndarray:
     except Image.DecompressionBombError as exc:
         raise ItemError("too_large", str(exc)) from None
     except (OSError, SyntaxError, ValueError) as exc:
-        raise ItemError(_error_reason(str(exc)), f"png: {exc}") from None
+        # Pillow names the BytesIO it could not identify by its address: the same item's detail
+        # differed from run to run (items.json) and from host to agent
+        why = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
+        raise ItemError(_error_reason(why), f"png: {why}") from None
     return px if px.ndim == 3 else px[..., None]
 
 

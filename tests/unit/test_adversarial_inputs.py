@@ -43,3 +43,15 @@ def test_a_text_where_an_image_is_read_fails_its_item_as_on_an_agent() -> None:
     with pytest.raises(ItemError) as err:  # a TypeError before, which failed the whole run
         decode("not an image")
     assert err.value.reason == "bad_request"  # the agent's reason for a text where it reads bytes
+
+
+def test_a_png_pillow_cannot_identify_fails_with_a_detail_that_names_no_address() -> None:
+    import pytest
+
+    from nicoffload.errors import ItemError
+    from nicoffload.ops.decode import _decode_png
+
+    with pytest.raises(ItemError) as err:
+        _decode_png(b"\x89PNG\r\n\x1a\n" + bytes(25), "rgb", 1 << 20)  # a header and no more
+    assert err.value.reason == "corrupt"
+    assert err.value.detail == "png: cannot identify image file"
