@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,10 +34,16 @@ def connected(address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    # ray.init sets a SIGTERM handler of its own (sys.exit(15)) and leaves it after shutdown:
+    # ours is kept (SIGTERM unwinds the command, "terminated", exit 143; serve drains)
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise DeviceError(f"ray: cannot connect to the cluster at {address}: {exc}") from exc
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
     try:
         yield
     finally:
