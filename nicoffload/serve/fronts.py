@@ -33,6 +33,7 @@ from nicoffload.serve.frontlink import FrontLink, LinkCounts
 log = logging.getLogger("nicoffload.serve")
 MAX_RESTARTS = 20
 READY_S = 120.0  # for a front to start and say it listens
+ALONE_S = 1.0  # a front that drained while serve does not: it exits after this (`_drained`)
 
 
 def listener(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
@@ -212,11 +213,18 @@ class Fronts:
 
     def _drained(self, f: Front) -> None:
         """Front f drained: in serve's drain it waits for `exit` until every front has; one
-        that drained on its own (SIGTERM sent to it alone) exits now, and is restarted, rather
-        than answer 503 to its share of the shared socket's connections for ever."""
-        with self._closing:
-            if not self.closing:
-                f.link.send(("exit",))
+        that drained on its own (SIGTERM sent to it alone) exits, and is restarted, rather than
+        answer 503 to its share of the shared socket's connections for ever. After ALONE_S: a
+        SIGTERM sent to the process group reaches serve too, whose drain starts by then."""
+
+        def alone() -> None:
+            with self._closing:
+                if not self.closing:
+                    f.link.send(("exit",))
+
+        timer = threading.Timer(ALONE_S, alone)
+        timer.daemon = True
+        timer.start()
 
     def flush(self) -> None:
         """Each front's gathered answers in one frame (the batcher's `after_answers`)."""
