@@ -202,13 +202,18 @@ def figures(model: CostModel, m: Metrics, row: int = 0) -> dict[str, float]:
     }
 
 
+MANY = 64  # rows from which _sent sums over destinations alone
+
+
 def _sent(load: np.ndarray, src: np.ndarray, dest: np.ndarray) -> np.ndarray:
     """(M, R) what each row's tensor puts on the resources, sent from src to its dest devices:
     einsum("md,mdr->mr", dest, load[src]). Where no row sends to more than two devices, summed
     over those alone: the same figures to the bit (the other terms are zeros, and two terms
     add alike in either order) at a fraction of the cost (the (M, D, R) array einsum reads was
-    0.09 of 0.14 s evaluating the 845 neighbours of the 50-node bench's plan)."""
-    if dest.sum(axis=1).max(initial=0) > 2 or not np.isfinite(load).all():
+    0.09 of 0.14 s evaluating the 845 neighbours of the 50-node bench's plan). Not for a few
+    rows, where einsum's read is small and checking `load` is not (explain's scans evaluate
+    one placement at a time)."""
+    if len(dest) < MANY or dest.sum(axis=1).max() > 2 or not np.isfinite(load).all():
         return np.einsum("md,mdr->mr", dest, load[src])
     m, d = np.nonzero(dest)  # row by row, devices ascending: a row's second right after
     sent = load[src[m], d]
