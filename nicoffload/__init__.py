@@ -11,17 +11,30 @@ from nicoffload.errors import (
 )
 from nicoffload.graph import Node, Pipeline, TensorSpec, load_pipeline
 from nicoffload.planner.plan import Plan
-from nicoffload.runner import RunResult, RunStats
-from nicoffload.session import Session, SessionClosed, open, run
+
+# loaded on first use: the runtime (Session, run: the executor, the transports' users) and the
+# agent client are not what the agent daemon and its worker processes import this package for
+# (0.1 s of every agent's start)
+_LAZY = {
+    "Client": "nicoffload.client",
+    "RunResult": "nicoffload.runner",
+    "RunStats": "nicoffload.runner",
+    "Session": "nicoffload.session",
+    "SessionClosed": "nicoffload.session",
+    "open": "nicoffload.session",
+    "run": "nicoffload.session",
+}
 
 
 def __getattr__(name: str):
-    # Client pulls in the agent protocol; loaded on first use to keep `import nicoffload` light.
-    if name == "Client":
-        from nicoffload.client import Client
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nicoffload' has no attribute '{name}'")
+    import importlib
 
-        return Client
-    raise AttributeError(f"module 'nicoffload' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor  # imported now: not at interpreter shutdown
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +116,7 @@ def _pool() -> Any:
     global _copy_pool
     with _copy_lock:
         if _copy_pool is None or _copy_pool[0] != os.getpid():
-            pool = concurrent.futures.ThreadPoolExecutor(
-                COPY_THREADS - 1, thread_name_prefix="nicoffload-copy"
-            )
+            pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="nicoffload-copy")
             _copy_pool = (os.getpid(), pool)
         return _copy_pool[1]
 
