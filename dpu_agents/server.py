@@ -187,7 +187,11 @@ class Agent:
         conns = self.admission.sessions()
         sessions = [(c.peer, c.session) for c in conns if c.session is not None]
         doc["sessions"] = {
-            f"{peer}/{s.name}": {"admitted": s.admitted, "forwarded": s.forwarded}
+            f"{peer}/{s.name}": {
+                "admitted": s.admitted,
+                "forwarded": s.forwarded,
+                "rows_fresh": s.rows_fresh,  # rows of varying shape past their slot's buffer
+            }
             for peer, s in sessions
         }
         doc["kernels"] = _kernel_times(s for _, s in sessions)

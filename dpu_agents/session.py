@@ -207,7 +207,12 @@ class Session:
         ragged = not pool.processes and any(not s.static for s in built.out_specs.values())
         b = account.budget if account is not None else None
         most = b.arena_most if b is not None else AgentConfig.max_arena_bytes
-        self._row_arenas = [RowArena(b, most) for _ in range(BATCHES_IN_FLIGHT if ragged else 0)]
+        typical = built.batch_max_size * sum(
+            -(-s.typical_nbytes // ALIGN) * ALIGN for s in built.out_specs.values() if not s.static
+        )
+        self._row_arenas = [
+            RowArena(b, most, typical) for _ in range(BATCHES_IN_FLIGHT if ragged else 0)
+        ]
         self._ingress: queue.Queue[Any] = queue.Queue()
         self._formed: queue.Queue[Any] = queue.Queue()
         self._seen = SeenIds(dedup_window)

@@ -146,3 +146,17 @@ def test_nothing_is_taken_once_closed() -> None:
     assert b.used[ARENA] == 0 and arena.size == 0
     row = arena.alloc((10,), np.uint8)  # a fresh array, counted
     assert row.shape == (10,) and arena.fresh == 2
+
+
+def test_an_initial_size_is_taken_from_the_budget_at_once_and_the_first_batch_fits() -> None:
+    b = budget()
+    arena = RowArena(b, b.arena_most, initial=3 * 30_000 + 1)  # a typical batch's rows
+    assert arena.size == MIB and b.used[ARENA] == MIB  # whole MiB, from the budget now
+    rows = [arena.put(np.full((100, 100, 3), i, np.uint8)) for i in range(3)]
+    assert arena.fresh == 0 and all(np.shares_memory(r, arena.buf) for r in rows)
+    arena.close()
+    assert b.used[ARENA] == 0
+    # capped at `most`; none when the budget has not the bytes (rows then get fresh arrays)
+    assert RowArena(None, 2 * MIB, initial=5 * MIB).size == 2 * MIB
+    tight = budget(total=MIB, most=8 * MIB)
+    assert RowArena(tight, 8 * MIB, initial=2 * MIB).size == 0 and tight.used[ARENA] == 0
