@@ -27,13 +27,13 @@ from dpu_agents.logs import log_event
 from dpu_agents.metrics import Metrics
 from dpu_agents.rowarena import RowArena
 from dpu_agents.seen import SeenIds
+from dpu_agents.sharedslots import aligned
 from dpu_agents.stagebuild import Built
 from nicoffload.errors import AgentError, ItemError, TransportError
 from nicoffload.runtime.batch import SLOT_OVERFLOW, UNWRITTEN
 from nicoffload.runtime.buffers import BatchSlot, SlotRing
 from nicoffload.transport import Sender
 from nicoffload.transport.shm import Segment
-from nicoffload.transport.slots import ALIGN
 
 log = logging.getLogger("dpu_agents.session")
 BATCHES_IN_FLIGHT = 3  # batch slots per session: one filling, one running, one being sent
@@ -208,7 +208,7 @@ class Session:
         b = account.budget if account is not None else None
         most = b.arena_most if b is not None else AgentConfig.max_arena_bytes
         typical = built.batch_max_size * sum(
-            -(-s.typical_nbytes // ALIGN) * ALIGN for s in built.out_specs.values() if not s.static
+            aligned(s.typical_nbytes) for s in built.out_specs.values() if not s.static
         )
         self._row_arenas = [
             RowArena(b, most, typical) for _ in range(BATCHES_IN_FLIGHT if ragged else 0)
@@ -483,12 +483,9 @@ class Session:
         if room is None or not slot.ragged:
             return
 
-        def aligned(a: np.ndarray) -> int:
-            return -(-a.nbytes // ALIGN) * ALIGN
-
-        fixed = sum(aligned(a[:n]) for a in slot.arrays.values())
+        fixed = sum(aligned(a[:n].nbytes) for a in slot.arrays.values())
         sizes = {
-            row: sum(aligned(np.asarray(rows[row])) for rows in slot.ragged.values())
+            row: sum(aligned(np.asarray(rows[row]).nbytes) for rows in slot.ragged.values())
             for row in range(n)
             if row not in batch.failed
         }
