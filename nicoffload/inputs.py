@@ -114,7 +114,8 @@ def values_items(
     went to an agent as a tensor, which the agent refuses where it reads bytes (`bad_request`),
     so the item's fate depended on where decode was placed."""
     names = list(pipeline.inputs)
-    encoded = [n for n, kind in _kinds(pipeline).items() if kind == "bytes"]
+    kinds = _kinds(pipeline)
+    encoded = [n for n, kind in kinds.items() if kind == "bytes"]
     for i, v in enumerate(values):
         if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], Mapping):
             yield v[0], _as_bytes(v[1], encoded)
@@ -122,7 +123,7 @@ def values_items(
             yield str(i), _as_bytes(v, encoded)
         elif len(names) == 1:
             if isinstance(v, Path):
-                v = _read(v, _kinds(pipeline)[names[0]])
+                v = _read(v, kinds[names[0]])
             yield str(i), _as_bytes({names[0]: v}, encoded)
         else:
             raise TypeError(
@@ -132,12 +133,11 @@ def values_items(
 
 def _as_bytes(values: Mapping[str, Any], encoded: list[str]) -> Mapping[str, Any]:
     """`values`, with each 1-D uint8 array among its `encoded` (bytes) inputs as a memoryview."""
-    arrays = [n for n in encoded if isinstance(values.get(n), np.ndarray)]
+    arrays = [n for n in encoded if _is_encoded_array(values.get(n))]
     if not arrays:
         return values
-    out = dict(values)
-    for n in arrays:
-        a = out[n]
-        if a.dtype == np.uint8 and a.ndim == 1:
-            out[n] = memoryview(np.ascontiguousarray(a))
-    return out
+    return {**values, **{n: memoryview(np.ascontiguousarray(values[n])) for n in arrays}}
+
+
+def _is_encoded_array(v: Any) -> bool:
+    return isinstance(v, np.ndarray) and v.dtype == np.uint8 and v.ndim == 1
